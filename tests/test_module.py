@@ -1,0 +1,102 @@
+"""InstructLoRAModule with a real Trainer on a tiny random Llama."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.model import LoRAConfig
+from lit_instruct.module import InstructLoRAModule
+
+CHATS = [
+    [("user", "What is the capital of France?"), ("assistant", "Paris.")],
+    [("user", "Say hello."), ("assistant", "Hello!"), ("user", "Again, louder."), ("assistant", "HELLO!")],
+    [("system", "You answer in one word."), ("user", "Colour of the sky?"), ("assistant", "Blue.")],
+    [("user", "2+2?"), ("assistant", "4")],
+    [("user", "Name a fruit."), ("assistant", "An apple, which is crunchy and sweet.")],
+    [("user", "Spell cat."), ("assistant", "C-A-T.")],
+]
+
+
+@pytest.fixture
+def chat_file(tmp_path: Path) -> Path:
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in CHATS]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def make(tiny_model_dir: Path, chat_file: Path) -> tuple[InstructLoRAModule, InstructDataModule]:
+    L.seed_everything(0)
+    module = InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2,
+                                warmup_steps=0)
+    data = InstructDataModule(tokenizer=str(tiny_model_dir), train_files=[str(chat_file)], val_files=[str(chat_file)],
+                              batch_size=3)
+    return module, data
+
+
+def trainer(root: Path, **kwargs) -> L.Trainer:
+    defaults = dict(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                    default_root_dir=root)
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def test_only_lora_weights_change_and_the_adapter_round_trips(tiny_model_dir, chat_file, tmp_path) -> None:
+    module, data = make(tiny_model_dir, chat_file)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    trainer(tmp_path, limit_val_batches=0).fit(module, datamodule=data)
+
+    changed = {n for n, p in module.named_parameters() if not torch.equal(p, before[n])}
+    lora = {n for n in before if "lora_" in n}
+    assert changed == lora  # every adapter weight moved, nothing else did
+    assert all(p.requires_grad == ("lora_" in n) for n, p in module.named_parameters())
+
+    adapter = tmp_path / "adapter"
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter).eval()
+    module.model.eval()
+    batch = next(iter(data.val_dataloader()))
+    with torch.no_grad():
+        ours = module.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        theirs = reloaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_validation_reports_the_token_weighted_loss(tiny_model_dir, chat_file, tmp_path) -> None:
+    module, data = make(tiny_model_dir, chat_file)
+    data.eval_batch_size = 4  # two uneven batches: 4 samples, then 2
+    (metrics,) = trainer(tmp_path).validate(module, datamodule=data, verbose=False)
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for sample in data.val_samples:  # one sample at a time, summed with transformers' own CE
+            ids = torch.tensor([sample.input_ids])
+            labels = torch.tensor([sample.labels])
+            logits = module.model(input_ids=ids).logits[0, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum"))
+            count += sample.num_targets
+    assert metrics["val/tokens"] == count
+    torch.testing.assert_close(metrics["val/loss"], total / count, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["val/ppl"], float(torch.tensor(total / count).exp()), rtol=1e-5, atol=0)
+
+
+def test_checkpoints_hold_only_trainable_weights_and_reload(tiny_model_dir, chat_file, tmp_path) -> None:
+    module, data = make(tiny_model_dir, chat_file)
+    fit = trainer(tmp_path, enable_checkpointing=True, limit_val_batches=0)
+    fit.fit(module, datamodule=data)
+    (ckpt,) = (tmp_path / "checkpoints").glob("*.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    assert state and all("lora_" in k for k in state)
+    assert set(state) == {n for n, p in module.named_parameters() if p.requires_grad}
+
+    restored = InstructLoRAModule.load_from_checkpoint(ckpt, weights_only=True)
+    for name, tensor in module.trainable_state_dict().items():
+        assert torch.equal(restored.state_dict()[name], tensor)
