@@ -1,0 +1,1 @@
+"""Lightning callbacks for instruction tuning, installed as ``lit_instruct.callbacks``."""

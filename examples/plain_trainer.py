@@ -1,6 +1,6 @@
 """lit-instruct inside an ordinary Lightning script: no CLI, no YAML.
 
-    python examples/plain_trainer.py --max-steps 20
+python examples/plain_trainer.py --max-steps 20
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, local folder or hub id")
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct", help="bundled name, local folder or hub id"
+    )
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--root", default="runs/plain_trainer", help="logs, checkpoints and the adapter")
     args = parser.parse_args()

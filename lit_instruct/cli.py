@@ -30,8 +30,10 @@ class InstructCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        return {"fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
-                "validate": {"model", "dataloaders", "datamodule"}}
+        return {
+            "fit": {"model", "train_dataloaders", "val_dataloaders", "datamodule"},
+            "validate": {"model", "dataloaders", "datamodule"},
+        }
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model", "data.tokenizer")
@@ -76,8 +78,8 @@ def prepare_main(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lit-instruct`` command."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["prepare"]:
-        prepare_main(argv[1:])
+    command = sys.argv[1:] if argv is None else argv
+    if command[:1] == ["prepare"]:
+        prepare_main(command[1:])
         return
     InstructCLI(args=argv)

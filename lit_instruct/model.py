@@ -48,9 +48,7 @@ class LoRAConfig:
     """Rank-stabilized LoRA scaling (alpha / sqrt(r))."""
 
 
-def load_base_model(
-    name: str, dtype: DType = "float32", trust_remote_code: bool = False
-) -> nn.Module:
+def load_base_model(name: str, dtype: DType = "float32", trust_remote_code: bool = False) -> nn.Module:
     """Load a causal LM from a bundled name, a local folder or a hub id."""
     from transformers import AutoModelForCausalLM
 

@@ -153,7 +153,10 @@ class InstructLoRAModule(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.learning_rate, betas=self.hparams.betas, weight_decay=self.hparams.weight_decay
+            params,
+            lr=self.hparams.learning_rate,
+            betas=self.hparams.betas,
+            weight_decay=self.hparams.weight_decay,
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
@@ -171,7 +174,9 @@ class InstructLoRAModule(L.LightningModule):
     def on_fit_start(self) -> None:
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
-        rank_zero_info(f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})")
+        rank_zero_info(
+            f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
+        )
 
     def adapter_path(self) -> Path:
         """Where the adapter is written: ``adapter_dir``, else ``<log dir>/adapter``."""

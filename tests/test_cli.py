@@ -22,7 +22,8 @@ def test_config_parses_and_prints_a_complete_config(config: Path, capsys, tmp_pa
         InstructCLI(args=["fit", "--config", str(config), "--print_config"])
     assert exit_info.value.code in (None, 0)
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["model"]["model"] == printed["data"]["tokenizer"]
+    assert printed["model"]["model"] == "smollm2-135m-instruct"
+    assert "tokenizer" not in printed["data"]  # linked: always the tokenizer of model.model
     assert set(printed["model"]["lora"]) == {"r", "alpha", "dropout", "target_modules", "use_rslora"}
 
     # The printed config is itself a valid config.
@@ -34,8 +35,13 @@ def test_config_parses_and_prints_a_complete_config(config: Path, capsys, tmp_pa
 
 
 def test_prepare_is_idempotent_and_prints_the_folder(smollm2_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "lit_instruct", "prepare"], capture_output=True, text=True,
-                            timeout=600, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_instruct", "prepare"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     assert result.stdout.strip() == f"smollm2-135m-instruct: {smollm2_path}"
     assert prepare_smollm2() == smollm2_path
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
@@ -45,16 +51,35 @@ def test_prepare_is_idempotent_and_prints_the_folder(smollm2_path: Path) -> None
 @pytest.mark.e2e
 def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_path: Path, caplog) -> None:
     args = [
-        "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
-        "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path),
-        "--trainer.enable_progress_bar", "false",
-        "--data.chatterbot_categories", "[greetings]", "--data.batch_size", "2", "--data.val_fraction", "0.2",
-        "--data.eval_batch_size", "4",
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "quickstart.yaml"),
+        "--trainer.max_steps",
+        "2",
+        "--trainer.val_check_interval",
+        "2",
+        "--trainer.limit_val_batches",
+        "1",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.logger.init_args.save_dir",
+        str(tmp_path),
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.chatterbot_categories",
+        "[greetings]",
+        "--data.batch_size",
+        "2",
+        "--data.val_fraction",
+        "0.2",
+        "--data.eval_batch_size",
+        "4",
     ]
     with caplog.at_level("INFO"):
         main(args)
-    summary = [r.getMessage() for r in caplog.records if "val/loss" in r.getMessage() and "->" in r.getMessage()]
+    summary = [
+        r.getMessage() for r in caplog.records if "val/loss" in r.getMessage() and "->" in r.getMessage()
+    ]
     assert len(summary) == 1 and "after 2 steps" in summary[0]
     adapters = list(tmp_path.rglob("adapter_model.safetensors"))
     assert len(adapters) == 1

@@ -12,9 +12,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_plain_trainer_example_trains_and_writes_an_adapter(tiny_model_dir, tmp_path) -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "plain_trainer.py"), "--model", str(tiny_model_dir),
-         "--max-steps", "3", "--root", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, check=False,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "plain_trainer.py"),
+            "--model",
+            str(tiny_model_dir),
+            "--max-steps",
+            "3",
+            "--root",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"val/loss before: (\d+\.\d+) after: (\d+\.\d+)", result.stdout)

@@ -28,7 +28,7 @@ def test_reference_equals_cross_entropy_on_materialized_logits(reduction: str) -
     plain_grads = torch.autograd.grad(plain, (hidden, weight))
 
     torch.testing.assert_close(ours, plain)
-    for a, b in zip(ours_grads, plain_grads):
+    for a, b in zip(ours_grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b)
 
 

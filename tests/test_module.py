@@ -35,17 +35,26 @@ def chat_file(tmp_path: Path) -> Path:
 
 def make(tiny_model_dir: Path, chat_file: Path) -> tuple[InstructLoRAModule, InstructDataModule]:
     L.seed_everything(0)
-    module = InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2,
-                                warmup_steps=0)
-    data = InstructDataModule(tokenizer=str(tiny_model_dir), train_files=[str(chat_file)], val_files=[str(chat_file)],
-                              batch_size=3)
+    module = InstructLoRAModule(
+        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2, warmup_steps=0
+    )
+    data = InstructDataModule(
+        tokenizer=str(tiny_model_dir), train_files=[str(chat_file)], val_files=[str(chat_file)], batch_size=3
+    )
     return module, data
 
 
 def trainer(root: Path, **kwargs) -> L.Trainer:
-    defaults = dict(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                    default_root_dir=root)
+    defaults = dict(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
     return L.Trainer(**{**defaults, **kwargs})
 
 
@@ -85,7 +94,9 @@ def test_validation_reports_the_token_weighted_loss(tiny_model_dir, chat_file, t
             count += sample.num_targets
     assert metrics["val/tokens"] == count
     torch.testing.assert_close(metrics["val/loss"], total / count, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(metrics["val/ppl"], float(torch.tensor(total / count).exp()), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        metrics["val/ppl"], float(torch.tensor(total / count).exp()), rtol=1e-5, atol=0
+    )
 
 
 def test_checkpoints_hold_only_trainable_weights_and_reload(tiny_model_dir, chat_file, tmp_path) -> None:

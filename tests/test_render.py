@@ -13,7 +13,9 @@ from lit_instruct.data.datamodule import render_all
 from lit_instruct.data.records import DataError, Message, Record
 from lit_instruct.data.render import IGNORE_INDEX, ChatRenderer
 
-SMOL_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+SMOL_SYSTEM = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+)
 
 
 def expected(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +51,11 @@ def test_multi_turn_chat_with_system_labels_each_answer_and_its_end_of_turn(toke
         ChatRenderer(tokenizer, 512),
         rec,
         [
-            ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", False),
+            (
+                "<|im_start|>system\nBe brief.<|im_end|>\n"
+                "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                False,
+            ),
             ("Hello there<|im_end|>", True),
             ("\n<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n", False),
             ("Fine, thanks.<|im_end|>", True),
@@ -62,8 +68,11 @@ def test_single_turn_gets_the_templates_default_system_prompt_masked(tokenizer) 
     check(
         ChatRenderer(tokenizer, 512),
         record(("user", "Add 1 and 2"), ("assistant", "3")),
-        [(SMOL_SYSTEM + "<|im_start|>user\nAdd 1 and 2<|im_end|>\n<|im_start|>assistant\n", False),
-         ("3<|im_end|>", True), ("\n", False)],
+        [
+            (SMOL_SYSTEM + "<|im_start|>user\nAdd 1 and 2<|im_end|>\n<|im_start|>assistant\n", False),
+            ("3<|im_end|>", True),
+            ("\n", False),
+        ],
     )
 
 
@@ -114,8 +123,9 @@ def test_assistant_turn_without_a_user_turn_is_an_error(tokenizer) -> None:
 def test_padding_is_never_a_label_but_eos_is_even_when_pad_equals_eos(tokenizer) -> None:
     assert tokenizer.pad_token_id == tokenizer.eos_token_id
     renderer = ChatRenderer(tokenizer, 512)
-    short, long = renderer(record(("user", "Hi"), ("assistant", "Yo"))), renderer(
-        record(("user", "Hi"), ("assistant", "Hello, how can I help you today?"))
+    short, long = (
+        renderer(record(("user", "Hi"), ("assistant", "Yo"))),
+        renderer(record(("user", "Hi"), ("assistant", "Hello, how can I help you today?"))),
     )
     batch = PadCollator(tokenizer.pad_token_id)([short, long])
     n = len(short.input_ids)

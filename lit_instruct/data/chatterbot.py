@@ -56,5 +56,5 @@ def read_chatterbot(
                 counts["too_short"] += 1
                 continue
             roles = ("user", "assistant") * (len(texts) // 2)
-            records.append(Record(tuple(Message(r, t) for r, t in zip(roles, texts)), source))
+            records.append(Record(tuple(Message(r, t) for r, t in zip(roles, texts, strict=True)), source))
     return records

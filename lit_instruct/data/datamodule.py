@@ -165,7 +165,9 @@ class InstructDataModule(L.LightningDataModule):
         self.train_samples = render_all(train_records, renderer, self.counts["train"])
         self.val_samples = render_all(val_records, renderer, self.counts["val"])
         for split, counts in self.counts.items():
-            rank_zero_info(f"lit-instruct data [{split}]: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+            rank_zero_info(
+                f"lit-instruct data [{split}]: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+            )
         if not self.train_samples:
             raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
 

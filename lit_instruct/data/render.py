@@ -80,7 +80,9 @@ class ChatRenderer:
             if message.role != "assistant":
                 continue
             if i == 0 or all(m.role == "system" for m in record.messages[:i]):
-                raise DataError(record.source, f"messages[{i}] is an assistant turn with no user turn before it")
+                raise DataError(
+                    record.source, f"messages[{i}] is an assistant turn with no user turn before it"
+                )
             start = len(self._render(messages[:i], add_generation_prompt=True))
             through = self._render(messages[: i + 1])
             if not text.startswith(through) or not through.startswith(text[:start]):

