@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():  # Triton kernels run on the CPU interpreter, set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -49,4 +52,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+CHATS = [
+    [("user", "What is the capital of France?"), ("assistant", "Paris.")],
+    [("user", "Say hello."), ("assistant", "Hello!"), ("user", "Again, louder."), ("assistant", "HELLO!")],
+    [("system", "You answer in one word."), ("user", "Colour of the sky?"), ("assistant", "Blue.")],
+    [("user", "2+2?"), ("assistant", "4")],
+    [("user", "Name a fruit."), ("assistant", "An apple, which is crunchy and sweet.")],
+    [("user", "Spell cat."), ("assistant", "C-A-T.")],
+]
+
+
+@pytest.fixture
+def chat_file(tmp_path: Path) -> Path:
+    """A small chat JSONL file: single and multi-turn, with and without a system turn."""
+    path = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in CHATS]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

@@ -34,6 +34,14 @@ def test_config_parses_and_prints_a_complete_config(config: Path, capsys, tmp_pa
     assert yaml.safe_load(capsys.readouterr().out) == printed
 
 
+def test_fused_ce_strategy_is_selectable_by_name_from_the_command_line(capsys) -> None:
+    with pytest.raises(SystemExit):
+        InstructCLI(
+            args=["fit", "--config", str(CONFIGS[0]), "--trainer.strategy", "fused_ce", "--print_config"]
+        )
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"] == "fused_ce"
+
+
 def test_prepare_is_idempotent_and_prints_the_folder(smollm2_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "lit_instruct", "prepare"],

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import lightning as L
-import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
@@ -14,23 +12,6 @@ from transformers import AutoModelForCausalLM
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.model import LoRAConfig
 from lit_instruct.module import InstructLoRAModule
-
-CHATS = [
-    [("user", "What is the capital of France?"), ("assistant", "Paris.")],
-    [("user", "Say hello."), ("assistant", "Hello!"), ("user", "Again, louder."), ("assistant", "HELLO!")],
-    [("system", "You answer in one word."), ("user", "Colour of the sky?"), ("assistant", "Blue.")],
-    [("user", "2+2?"), ("assistant", "4")],
-    [("user", "Name a fruit."), ("assistant", "An apple, which is crunchy and sweet.")],
-    [("user", "Spell cat."), ("assistant", "C-A-T.")],
-]
-
-
-@pytest.fixture
-def chat_file(tmp_path: Path) -> Path:
-    path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in CHATS]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 def make(tiny_model_dir: Path, chat_file: Path) -> tuple[InstructLoRAModule, InstructDataModule]:

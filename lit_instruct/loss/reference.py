@@ -52,7 +52,7 @@ def reference_linear_cross_entropy(
     """
     keep = labels != ignore_index  # (N,)
     if not bool(keep.any()):
-        return hidden.sum() * 0.0
+        return (hidden.sum() + weight.sum()) * 0.0
     logits = hidden[keep] @ weight.T  # (n, V)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits, labels[keep], reduction=reduction)

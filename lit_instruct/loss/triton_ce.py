@@ -1,0 +1,81 @@
+"""Triton kernel: softmax cross-entropy per row with the gradient written over the logits.
+
+One program per row: an online-softmax pass over the vocabulary (running max and rescaled sum, fp32)
+gives the log-sum-exp and the row's loss; a second pass overwrites the logits with
+``softmax - one_hot(target)`` in the logits' own dtype. Ignored rows get loss 0 and a zero gradient.
+Runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from lit_instruct.data.render import IGNORE_INDEX
+
+
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed."""
+    return importlib.util.find_spec("triton") is not None
+
+
+if triton_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ce_grad_inplace_kernel(
+        logits_ptr, row_stride, targets_ptr, loss_ptr, vocab_size, ignore_index, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * row_stride
+        target = tl.load(targets_ptr + row)
+        ignored = target == ignore_index
+        keep = tl.where(ignored, 0.0, 1.0)
+        safe_target = tl.where(ignored, 0, target)
+
+        running_max = float("-inf")
+        running_sum = 0.0
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            running_max = new_max
+        lse = running_max + tl.log(running_sum)
+        target_logit = tl.load(row_ptr + safe_target).to(tl.float32)
+        tl.store(loss_ptr + row, (lse - target_logit) * keep)
+
+        for start in range(0, vocab_size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            in_vocab = cols < vocab_size
+            x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+            grad = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
+            tl.store(row_ptr + cols, (grad * keep).to(logits_ptr.dtype.element_ty), mask=in_vocab)
+
+
+def ce_grad_inplace_triton(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX, block: int | None = None
+) -> torch.Tensor:
+    """Per-row CE of ``logits`` ``(c, V)`` as fp32 ``(c,)``; ``logits`` becomes its own gradient.
+
+    Raises:
+        RuntimeError: when triton is missing, or the tensors are on the CPU without
+            ``TRITON_INTERPRET=1``.
+    """
+    if not triton_available():
+        raise RuntimeError("the triton backend needs `pip install lit-instruct[triton]`")
+    if logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the triton backend runs on CUDA tensors (on CPU only under TRITON_INTERPRET=1)")
+    if logits.stride(1) != 1:
+        raise ValueError("logits must be contiguous along the vocabulary (the gradient is written in place)")
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        block = block or min(triton.next_power_of_2(vocab), 4096 if logits.is_cuda else 1024)
+        _ce_grad_inplace_kernel[(rows,)](
+            logits, logits.stride(0), targets.contiguous(), loss, vocab, ignore_index, BLOCK=block
+        )
+    return loss

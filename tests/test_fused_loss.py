@@ -1,0 +1,119 @@
+"""The fused linear cross-entropy (torch and Triton backends) against the reference and plain CE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_instruct.data.render import IGNORE_INDEX
+from lit_instruct.loss.fused import fused_linear_cross_entropy
+from lit_instruct.loss.reference import reference_linear_cross_entropy
+
+# bf16: logits are rounded to bf16 before the fp32 softmax in both implementations, and grad_hidden
+# is produced in bf16, so agreement is to bf16 resolution (~3 significant digits).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton: CUDA, else the interpreter
+TOLERANCES = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_case(n: int, h: int, v: int, ignored: float, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < ignored] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def loss_and_grads(fn, hidden, weight, labels, **kwargs):
+    hidden = hidden.clone().requires_grad_()
+    weight = weight.clone().requires_grad_()
+    loss = fn(hidden, weight, labels, **kwargs)
+    loss.backward()
+    return loss, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(
+    ("n", "h", "v", "ignored", "chunk"),
+    [(64, 32, 1000, 0.0, 16), (97, 48, 777, 0.5, 13), (33, 16, 501, 0.9, None), (8, 16, 300, 1.0, 3)],
+)
+def test_fused_equals_reference_and_plain_cross_entropy(n, h, v, ignored, chunk, reduction, dtype) -> None:
+    hidden, weight, labels = make_case(n, h, v, ignored, dtype, seed=n + v)
+    ours = loss_and_grads(
+        fused_linear_cross_entropy,
+        hidden,
+        weight,
+        labels,
+        reduction=reduction,
+        chunk_size=chunk,
+        backend="torch",
+    )
+    ref = loss_and_grads(reference_linear_cross_entropy, hidden, weight, labels, reduction=reduction)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), **TOLERANCES[dtype])
+    if (labels != IGNORE_INDEX).any() and dtype == torch.float32:
+        plain = loss_and_grads(
+            lambda hd, w, y, **_: F.cross_entropy(
+                hd @ w.T, y, ignore_index=IGNORE_INDEX, reduction=reduction
+            ),
+            hidden,
+            weight,
+            labels,
+        )
+        for a, b in zip(ours, plain, strict=True):
+            torch.testing.assert_close(a, b, **TOLERANCES[dtype])
+
+
+def test_frozen_weight_gets_no_gradient_and_no_grad_mode_works() -> None:
+    hidden, weight, labels = make_case(20, 8, 50, 0.3, torch.float32, seed=1)
+    hidden.requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=7)
+    loss.backward()
+    assert weight.grad is None and hidden.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fused_linear_cross_entropy(hidden, weight, labels),
+            reference_linear_cross_entropy(hidden, weight, labels),
+        )
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError, match="expected hidden"):
+        fused_linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=torch.long))
+
+
+@pytest.fixture
+def interpreted_triton():
+    """The Triton module; on a machine without CUDA, conftest set ``TRITON_INTERPRET=1``."""
+    pytest.importorskip("triton")
+    from lit_instruct.loss import triton_ce
+
+    return triton_ce
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernel_writes_loss_and_gradient_in_place(interpreted_triton, dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(7, 1100, generator=gen)).to(dtype)  # vocab not a multiple of the block
+    targets = torch.randint(0, 1100, (7,), generator=gen)
+    targets[[2, 5]] = IGNORE_INDEX
+    expected = logits.float().requires_grad_()
+    expected_loss = F.cross_entropy(expected, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    expected_loss.sum().backward()
+
+    buffer = logits.to(DEVICE)
+    loss = interpreted_triton.ce_grad_inplace_triton(buffer, targets.to(DEVICE), block=256).cpu()
+    buffer = buffer.cpu()
+    torch.testing.assert_close(loss, expected_loss.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(buffer.float(), expected.grad, **TOLERANCES[dtype])
+    assert torch.equal(buffer[[2, 5]], torch.zeros_like(buffer[[2, 5]]))
+
+
+def test_fused_with_triton_backend_equals_reference(interpreted_triton) -> None:
+    case = [t.to(DEVICE) for t in make_case(24, 16, 333, 0.4, torch.float32, seed=3)]
+    ours = loss_and_grads(fused_linear_cross_entropy, *case, chunk_size=5, backend="triton")
+    ref = loss_and_grads(reference_linear_cross_entropy, *case)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])

@@ -1,0 +1,67 @@
+"""The fused_ce strategies: registered by name, swap the loss, and train like the reference."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lit_instruct.loss.fused import FusedLinearCrossEntropy
+from lit_instruct.loss.reference import reference_linear_cross_entropy
+from lit_instruct.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
+from tests.test_module import make
+
+
+class LossRecorder(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_strategies_are_registered_by_name() -> None:
+    assert StrategyRegistry["fused_ce"]["strategy"] is FusedCESingleDeviceStrategy
+    assert StrategyRegistry["fused_ce_ddp"]["strategy"] is FusedCEDDPStrategy
+    trainer = L.Trainer(accelerator="cpu", strategy="fused_ce", logger=False)
+    assert isinstance(trainer.strategy, FusedCESingleDeviceStrategy)
+    assert trainer.strategy.root_device == torch.device("cpu")
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="chunk_size"):
+        FusedCESingleDeviceStrategy(chunk_size=0)
+    with pytest.raises(ValueError, match="backend"):
+        FusedCESingleDeviceStrategy(backend="cuda")
+
+
+def train_losses(tiny_model_dir, chat_file, tmp_path, strategy) -> tuple[list[float], object]:
+    module, data = make(tiny_model_dir, chat_file)
+    data.batch_size = 2
+    recorder = LossRecorder()
+    L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        max_steps=5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        default_root_dir=tmp_path,
+    ).fit(module, datamodule=data)
+    return recorder.losses, module.loss_fn
+
+
+def test_fused_ce_strategy_trains_the_same_loss_curve(tiny_model_dir, chat_file, tmp_path) -> None:
+    reference, loss_fn = train_losses(tiny_model_dir, chat_file, tmp_path / "ref", "auto")
+    assert loss_fn is reference_linear_cross_entropy
+    fused, loss_fn = train_losses(
+        tiny_model_dir, chat_file, tmp_path / "fused", FusedCESingleDeviceStrategy(chunk_size=7)
+    )
+    assert loss_fn == FusedLinearCrossEntropy(chunk_size=7, backend="auto")
+    assert len(fused) == len(reference) == 5
+    assert reference[0] != reference[-1]  # the weights moved
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(reference), rtol=1e-4, atol=0)
