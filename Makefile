@@ -14,6 +14,10 @@ test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q tests
 
+bench: install
+	$(PIP) --no-deps 'cut-cross-entropy>=25.1'
+	$(PYTHON) benchmarks/fused_ce.py
+
 lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .

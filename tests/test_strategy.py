@@ -27,6 +27,8 @@ def test_strategies_are_registered_by_name() -> None:
     trainer = L.Trainer(accelerator="cpu", strategy="fused_ce", logger=False)
     assert isinstance(trainer.strategy, FusedCESingleDeviceStrategy)
     assert trainer.strategy.root_device == torch.device("cpu")
+    ddp = L.Trainer(accelerator="cpu", devices=2, strategy="fused_ce_ddp", logger=False)
+    assert isinstance(ddp.strategy, FusedCEDDPStrategy) and ddp.strategy.world_size == 2
 
 
 def test_bad_options_are_refused() -> None:
