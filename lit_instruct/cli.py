@@ -76,10 +76,62 @@ def prepare_main(argv: list[str]) -> None:
     sys.stdout.write(f"{args.model}: {path}\n")
 
 
+def export_main(argv: list[str]) -> None:
+    """``lit-instruct export``: a clean PEFT adapter folder, or (``--merge``) a standalone model."""
+    from lit_instruct.export import export_adapter, merge_adapter
+
+    parser = argparse.ArgumentParser(prog="lit-instruct export", description=export_main.__doc__)
+    parser.add_argument("--adapter", required=True, help="adapter folder written by training")
+    parser.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    parser.add_argument("--merge", action="store_true", help="merge into a full-precision copy of the base")
+    parser.add_argument("--base", help="base model (default: the adapter's base_model_name_or_path)")
+    args = parser.parse_args(argv)
+    out = (
+        merge_adapter(args.adapter, args.out, args.base)
+        if args.merge
+        else export_adapter(args.adapter, args.out)
+    )
+    sys.stdout.write(f"{'merged model' if args.merge else 'adapter'} written to {out}\n")
+
+
+def generate_main(argv: list[str]) -> None:
+    """``lit-instruct generate``: answer a prompt with the training chat template, streaming tokens."""
+    from transformers import TextStreamer
+
+    from lit_instruct.generate import generate, load_for_generation
+
+    parser = argparse.ArgumentParser(prog="lit-instruct generate", description=generate_main.__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, folder or hub id")
+    parser.add_argument("--adapter", help="PEFT adapter folder to apply")
+    parser.add_argument("--prompt", required=True, help="the user message")
+    parser.add_argument("--system", help="a system message to put first")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    model, tokenizer = load_for_generation(args.model, args.adapter)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.prompt}
+    ]
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    generate(
+        model,
+        tokenizer,
+        messages,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        streamer=streamer,
+    )
+
+
+COMMANDS = {"prepare": prepare_main, "export": export_main, "generate": generate_main}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lit-instruct`` command."""
     command = sys.argv[1:] if argv is None else argv
-    if command[:1] == ["prepare"]:
-        prepare_main(command[1:])
+    if command[:1] and command[0] in COMMANDS:
+        COMMANDS[command[0]](command[1:])
         return
     InstructCLI(args=argv)

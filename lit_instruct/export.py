@@ -1,23 +1,34 @@
-"""Write PEFT adapters atomically: a temporary folder beside the target, renamed into place."""
+"""Adapters out of training: atomic PEFT folders, finite-weight checks, and merged standalone models.
+
+Every write goes to a temporary folder beside the target that is renamed into place only when
+complete, so a failure never leaves a half-written adapter or model, and an earlier one survives.
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import load_file, save_file
 
-def save_adapter(peft_model: Any, target: str | Path) -> Path:
-    """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``).
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 
-    The previous adapter at ``target``, if any, stays intact until the new one is complete.
-    """
+
+@contextmanager
+def atomic_directory(target: str | Path) -> Iterator[Path]:
+    """Yield an empty staging folder; on success it replaces ``target``, on failure it is removed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        peft_model.save_pretrained(staging, safe_serialization=True)
+        yield staging
         staging.chmod(0o755)
         if target.exists():
             retired = target.with_name(f".{target.name}-old")
@@ -30,4 +41,57 @@ def save_adapter(peft_model: Any, target: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return target
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Raise if any tensor holds NaN or Inf, naming the first such tensor."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf; refusing to write it")
+
+
+def save_adapter(peft_model: Any, target: str | Path) -> Path:
+    """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``)."""
+    from peft import get_peft_model_state_dict
+
+    check_finite(get_peft_model_state_dict(peft_model), f"adapter for {target}")
+    with atomic_directory(target) as staging:
+        peft_model.save_pretrained(staging, safe_serialization=True)
+    return Path(target)
+
+
+def export_adapter(adapter: str | Path, out: str | Path) -> Path:
+    """Copy an adapter into a clean PEFT folder: config and safetensors weights only, checked finite."""
+    adapter = Path(adapter)
+    weights = load_file(adapter / ADAPTER_WEIGHTS)
+    check_finite(weights, str(adapter / ADAPTER_WEIGHTS))
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    with atomic_directory(out) as staging:
+        save_file(weights, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    return Path(out)
+
+
+def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
+    """Merge ``adapter`` into a full-precision copy of its base and save a standalone model.
+
+    The output (safetensors, config, tokenizer and chat template) loads with
+    ``AutoModelForCausalLM.from_pretrained(out)``; an adapter trained on an NF4 base merges into the
+    fp32 base weights. ``base`` overrides the adapter's recorded ``base_model_name_or_path``.
+    """
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from lit_instruct.model import load_base_model, resolve_model_path
+
+    adapter = Path(adapter)
+    base = base or json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    check_finite(load_file(adapter / ADAPTER_WEIGHTS), str(adapter / ADAPTER_WEIGHTS))
+    model = PeftModel.from_pretrained(load_base_model(base, "float32"), adapter).merge_and_unload()
+    check_finite(dict(model.state_dict()), f"merged model for {out}")
+    model.config.use_cache = True
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(base))
+    with atomic_directory(out) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+    return Path(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -12,6 +13,7 @@ from torch import nn
 from lit_instruct.models import BUNDLED_MODELS
 
 DType = Literal["float32", "bfloat16", "float16"]
+Quantization = Literal["none", "nf4", "fp4"]
 
 ALL_LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -48,18 +50,84 @@ class LoRAConfig:
     """Rank-stabilized LoRA scaling (alpha / sqrt(r))."""
 
 
-def load_base_model(name: str, dtype: DType = "float32", trust_remote_code: bool = False) -> nn.Module:
-    """Load a causal LM from a bundled name, a local folder or a hub id."""
+@dataclass
+class QuantizationConfig:
+    """4-bit base weights (QLoRA) through bitsandbytes."""
+
+    method: Quantization = "none"
+    """``nf4`` or ``fp4`` for 4-bit linear layers, ``none`` for full-precision weights."""
+    double_quant: bool = True
+    """Quantize the quantization constants too (about 0.4 bit per weight saved)."""
+    compute_dtype: DType = "bfloat16"
+    """Dtype of the 4-bit layers' matmuls and of every weight left unquantized (embeddings, norms)."""
+
+
+def load_base_model(
+    name: str,
+    dtype: DType = "float32",
+    trust_remote_code: bool = False,
+    quantization: QuantizationConfig | None = None,
+) -> nn.Module:
+    """Load a causal LM from a bundled name, a local folder or a hub id.
+
+    With 4-bit ``quantization`` the linear layers of the decoder become frozen bitsandbytes
+    ``Linear4bit`` layers and every other weight (embeddings, norms) is kept in ``compute_dtype``.
+    """
     from transformers import AutoModelForCausalLM
 
+    kwargs: dict = {}
+    if quantization is not None and quantization.method != "none":
+        from transformers import BitsAndBytesConfig
+
+        dtype = quantization.compute_dtype
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quantization.method,
+            bnb_4bit_use_double_quant=quantization.double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, dtype),
+        )
+        kwargs["device_map"] = {"": "cuda" if torch.cuda.is_available() else "cpu"}
+    if trust_remote_code:
+        warnings.warn(f"trust_remote_code=True: code shipped with {name} will run", stacklevel=2)
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(name),
         dtype=getattr(torch, dtype),
         trust_remote_code=trust_remote_code,
         attn_implementation="sdpa",
+        **kwargs,
     )
     model.config.use_cache = False
     return model
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held by the base model: all of it, and its 4-bit linear layers (weights + quant state).
+
+    LoRA adapter weights are not counted; tied weights count once.
+    """
+    total = quantized = 0
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if "lora_" in f"{module_name}.{name}" or id(p) in seen:
+                continue
+            seen.add(id(p))
+            size = p.numel() * p.element_size()
+            state = getattr(p, "quant_state", None)
+            if state is not None:
+                size += _quant_state_bytes(state)
+                quantized += size
+            total += size
+        for b in module.buffers(recurse=False):
+            total += b.numel() * b.element_size()
+    return {"total": total, "quantized_linear": quantized}
+
+
+def _quant_state_bytes(state: object) -> int:
+    tensors = [getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None)]
+    size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    nested = getattr(state, "state2", None)
+    return size + (_quant_state_bytes(nested) if nested is not None else 0)
 
 
 def attach_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:

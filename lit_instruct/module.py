@@ -16,7 +16,13 @@ from torchmetrics import MeanMetric, SumMetric
 
 from lit_instruct.export import save_adapter
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
-from lit_instruct.model import DType, LoRAConfig, attach_lora, load_base_model
+from lit_instruct.model import (
+    DType,
+    LoRAConfig,
+    QuantizationConfig,
+    attach_lora,
+    load_base_model,
+)
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
@@ -49,6 +55,8 @@ class InstructLoRAModule(L.LightningModule):
         min_lr_ratio: final learning rate as a fraction of the peak.
         adapter_dir: where the PEFT adapter is written at the end of fit (default: ``<log dir>/adapter``).
         trust_remote_code: let ``transformers`` run code shipped with the model (off: it is untrusted).
+        quantization: 4-bit base weights (QLoRA): ``method: nf4`` or ``fp4``, ``double_quant``,
+            ``compute_dtype``; ``dtype`` is then ignored.
     """
 
     def __init__(
@@ -63,15 +71,20 @@ class InstructLoRAModule(L.LightningModule):
         min_lr_ratio: float = 0.1,
         adapter_dir: str | None = None,
         trust_remote_code: bool = False,
+        quantization: QuantizationConfig | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
-        self.save_hyperparameters(ignore=["lora"])
+        if isinstance(quantization, dict):
+            quantization = QuantizationConfig(**quantization)
+        self.quantization = quantization or QuantizationConfig()
+        self.save_hyperparameters(ignore=["lora", "quantization"])
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
-        self.model = attach_lora(load_base_model(model, dtype, trust_remote_code), self.lora_config)
+        self.hparams["quantization"] = asdict(self.quantization)
+        base = load_base_model(model, dtype, trust_remote_code, self.quantization)
+        self.model = attach_lora(base, self.lora_config)
         self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
         self.loss_fn: LossFn = reference_linear_cross_entropy
-        self.strict_loading = False  # checkpoints hold the trainable weights only
         self.val_loss = MeanMetric()
         self.val_tokens = SumMetric()
         self.tokens_seen = 0
@@ -164,12 +177,20 @@ class InstructLoRAModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter weights: what a checkpoint stores."""
         names = {name for name, p in self.named_parameters() if p.requires_grad}
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep only the trainable (adapter) weights: the frozen base is reloaded from ``model``."""
         checkpoint["state_dict"] = self.trainable_state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Complete the stored adapter weights with the frozen base already loaded, so that loading
+        stays strict: a checkpoint that lacks an adapter weight is still an error."""
+        frozen = self.state_dict().keys() - self.trainable_state_dict().keys()
+        base = {k: v for k, v in self.state_dict().items() if k in frozen}
+        checkpoint["state_dict"] = {**base, **checkpoint["state_dict"]}
 
     def on_fit_start(self) -> None:
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)

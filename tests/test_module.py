@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
@@ -14,10 +15,10 @@ from lit_instruct.model import LoRAConfig
 from lit_instruct.module import InstructLoRAModule
 
 
-def make(tiny_model_dir: Path, chat_file: Path) -> tuple[InstructLoRAModule, InstructDataModule]:
+def make(tiny_model_dir: Path, chat_file: Path, **kwargs) -> tuple[InstructLoRAModule, InstructDataModule]:
     L.seed_everything(0)
     module = InstructLoRAModule(
-        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2, warmup_steps=0
+        **kwargs, model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2, warmup_steps=0
     )
     data = InstructDataModule(
         tokenizer=str(tiny_model_dir), train_files=[str(chat_file)], val_files=[str(chat_file)], batch_size=3
@@ -92,3 +93,11 @@ def test_checkpoints_hold_only_trainable_weights_and_reload(tiny_model_dir, chat
     restored = InstructLoRAModule.load_from_checkpoint(ckpt, weights_only=True)
     for name, tensor in module.trainable_state_dict().items():
         assert torch.equal(restored.state_dict()[name], tensor)
+
+    # Loading stays strict for the adapter: a checkpoint missing one of its weights is refused.
+    damaged = torch.load(ckpt, map_location="cpu", weights_only=True)
+    lost = sorted(damaged["state_dict"])[0]
+    del damaged["state_dict"][lost]
+    torch.save(damaged, tmp_path / "damaged.ckpt")
+    with pytest.raises(RuntimeError, match=lost.replace(".", r"\.")):
+        InstructLoRAModule.load_from_checkpoint(tmp_path / "damaged.ckpt", weights_only=True)

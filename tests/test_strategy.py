@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import reference_linear_cross_entropy
 from lit_instruct.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
-from tests.test_module import make
+from tests.test_module import make, trainer
 
 
 class LossRecorder(L.Callback):
@@ -42,18 +42,9 @@ def train_losses(tiny_model_dir, chat_file, tmp_path, strategy) -> tuple[list[fl
     module, data = make(tiny_model_dir, chat_file)
     data.batch_size = 2
     recorder = LossRecorder()
-    L.Trainer(
-        accelerator="cpu",
-        strategy=strategy,
-        max_steps=5,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        callbacks=[recorder],
-        default_root_dir=tmp_path,
-    ).fit(module, datamodule=data)
+    trainer(tmp_path, strategy=strategy, max_steps=5, limit_val_batches=0, callbacks=[recorder]).fit(
+        module, datamodule=data
+    )
     return recorder.losses, module.loss_fn
 
 
