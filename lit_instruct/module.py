@@ -22,6 +22,7 @@ from lit_instruct.model import (
     QuantizationConfig,
     attach_lora,
     load_base_model,
+    parameter_bytes,
 )
 
 
@@ -195,9 +196,19 @@ class InstructLoRAModule(L.LightningModule):
     def on_fit_start(self) -> None:
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
+        base = parameter_bytes(self.model)
         rank_zero_info(
-            f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
+            f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}); "
+            f"base weights {base['total'] / 1e6:.1f} MB "
+            f"(4-bit linear layers {base['quantized_linear'] / 1e6:.1f} MB)"
         )
+        metrics = {
+            "model/trainable_params": float(trainable),
+            "model/base_bytes": float(base["total"]),
+            "model/quantized_linear_bytes": float(base["quantized_linear"]),
+        }
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=0)
 
     def adapter_path(self) -> Path:
         """Where the adapter is written: ``adapter_dir``, else ``<log dir>/adapter``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -54,9 +56,17 @@ def test_qlora_trains_only_the_adapters_on_cpu(tiny_model_dir, chat_file, tmp_pa
     batch = next(iter(data.train_dataloader()))
     with torch.no_grad():
         before = module.loss_sum_and_count(batch)
-    trainer(tmp_path, max_steps=20, limit_val_batches=0).fit(module, datamodule=data)
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer(tmp_path, max_steps=20, limit_val_batches=0, logger=logger).fit(module, datamodule=data)
     with torch.no_grad():
         after = module.loss_sum_and_count(batch)
+
+    with open(Path(logger.log_dir) / "metrics.csv") as rows:
+        logged = next(row for row in csv.DictReader(rows) if row["model/base_bytes"])
+    expected = parameter_bytes(module.model)
+    assert float(logged["model/base_bytes"]) == expected["total"]
+    assert 0 < float(logged["model/quantized_linear_bytes"]) == expected["quantized_linear"]
+    assert float(logged["model/trainable_params"]) == sum(p.numel() for p in lora.values())
 
     assert after[1] == before[1]
     # On this random 2-layer model LoRA r=4 moves the loss slowly (fp32 LoRA: 10.82 -> 10.23 nats,
