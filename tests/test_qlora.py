@@ -211,3 +211,22 @@ def test_module_hparams_are_plain_data(tiny_model_dir, chat_file) -> None:
         "compute_dtype": "float32",
     }
     assert isinstance(module, InstructLoRAModule)
+
+
+def test_generation_preview_answers_fixed_prompts_after_each_validation(tiny_model_dir, chat_file, tmp_path):
+    from lit_instruct.callbacks import GenerationPreview
+
+    module, data = make(tiny_model_dir, chat_file)
+    preview = GenerationPreview(prompts=["Say hello.", "2+2?"], max_new_tokens=3)
+    fit = trainer(tmp_path, max_steps=2, val_check_interval=1, callbacks=[preview], num_sanity_val_steps=1)
+    fit.fit(module, datamodule=data)
+    assert [(step, prompt) for step, prompt, _ in preview.history] == [
+        (1, "Say hello."),
+        (1, "2+2?"),
+        (2, "Say hello."),
+        (2, "2+2?"),
+    ]  # no entry for the sanity check
+    written = (tmp_path / "generations.txt").read_text()
+    assert written.count("[step 2] 2+2?") == 1
+    with pytest.raises(ValueError, match="at least one prompt"):
+        GenerationPreview(prompts=[])
