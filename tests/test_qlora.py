@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import subprocess
 import sys
@@ -22,7 +23,9 @@ from lit_instruct.model import QuantizationConfig, load_base_model, parameter_by
 from lit_instruct.module import InstructLoRAModule
 from tests.test_module import make, trainer
 
-pytest.importorskip("bitsandbytes")
+needs_bitsandbytes = pytest.mark.skipif(
+    importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs bitsandbytes (the qlora extra)"
+)
 NF4_FP32 = QuantizationConfig(method="nf4", double_quant=True, compute_dtype="float32")
 
 
@@ -31,6 +34,7 @@ def batch_of(tokenizer) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
+@needs_bitsandbytes
 def test_nf4_base_stays_close_to_the_fp32_base(tiny_model_dir, tokenizer) -> None:
     batch = batch_of(tokenizer)
     with torch.no_grad():
@@ -45,6 +49,7 @@ def test_nf4_base_stays_close_to_the_fp32_base(tiny_model_dir, tokenizer) -> Non
     assert error.mean() < 0.03
 
 
+@needs_bitsandbytes
 def test_qlora_trains_only_the_adapters_on_cpu(tiny_model_dir, chat_file, tmp_path) -> None:
     module, data = make(tiny_model_dir, chat_file, quantization=NF4_FP32)
     data.batch_size = 6
@@ -77,6 +82,7 @@ def test_qlora_trains_only_the_adapters_on_cpu(tiny_model_dir, chat_file, tmp_pa
     assert all(not torch.equal(params[n], p) for n, p in lora.items())
 
 
+@needs_bitsandbytes
 def test_smollm2_nf4_memory(smollm2_path) -> None:
     fp32_model = load_base_model(str(smollm2_path))
     full = parameter_bytes(fp32_model)
@@ -114,6 +120,7 @@ def test_merged_model_equals_base_plus_adapter(tiny_model_dir, chat_file, tmp_pa
     torch.testing.assert_close(logits(merged, batch), logits(combined, batch), atol=1e-5, rtol=0)
 
 
+@needs_bitsandbytes
 def test_nf4_trained_adapter_merges_into_the_full_precision_base(
     tiny_model_dir, chat_file, tmp_path, tokenizer
 ) -> None:
@@ -203,6 +210,7 @@ def test_cli_export_and_generate_run(tiny_model_dir, chat_file, tmp_path) -> Non
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@needs_bitsandbytes
 def test_module_hparams_are_plain_data(tiny_model_dir, chat_file) -> None:
     module, _ = make(tiny_model_dir, chat_file, quantization=NF4_FP32)
     assert module.hparams["quantization"] == {
