@@ -1,4 +1,4 @@
-"""``lit-instruct``: ``fit``/``validate`` through LightningCLI, plus ``prepare``."""
+"""``lit-instruct``: ``fit``/``validate`` through LightningCLI, plus ``prepare``, ``export``, ``generate``."""
 
 from __future__ import annotations
 

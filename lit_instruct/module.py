@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
+from lit_instruct.data.render import IGNORE_INDEX
 from lit_instruct.export import save_adapter
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.model import (
@@ -91,6 +92,7 @@ class InstructLoRAModule(L.LightningModule):
         self.tokens_seen = 0
         self.last_val_step: int | None = None
         self._step_started = 0.0
+        self._batch_tokens = 0
         self._check_head()
 
     @property
@@ -100,6 +102,7 @@ class InstructLoRAModule(L.LightningModule):
 
     @property
     def lm_head(self) -> nn.Module:
+        """The output projection whose weight the loss takes."""
         return self.base_model.get_output_embeddings()
 
     def _check_head(self) -> None:
@@ -123,7 +126,7 @@ class InstructLoRAModule(L.LightningModule):
         hidden = self.hidden_states(batch)  # (B, T, H)
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
         labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
-        count = int((labels != -100).sum())
+        count = int((labels != IGNORE_INDEX).sum())
         return self.loss_fn(shifted, self.lm_head.weight, labels, reduction="sum"), count
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -132,7 +135,7 @@ class InstructLoRAModule(L.LightningModule):
         tokens = int(batch["attention_mask"].sum())
         self.tokens_seen += tokens
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=len(batch["input_ids"]))
-        self.log("train/response_tokens", float(count), reduce_fx="sum", batch_size=1)
+        self.log("train/response_tokens", float(count), batch_size=1)
         self.log("train/tokens", float(self.tokens_seen), batch_size=1)
         self._batch_tokens = tokens
         return loss
