@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning as L
@@ -101,3 +102,19 @@ def test_checkpoints_hold_only_trainable_weights_and_reload(tiny_model_dir, chat
     torch.save(damaged, tmp_path / "damaged.ckpt")
     with pytest.raises(RuntimeError, match=lost.replace(".", r"\.")):
         InstructLoRAModule.load_from_checkpoint(tmp_path / "damaged.ckpt", weights_only=True)
+
+
+def test_duplicates_are_dropped_before_the_seeded_split(tiny_model_dir, tmp_path) -> None:
+    rows = [{"prompt": f"Question {i}?", "completion": f"Answer {i}."} for i in range(10)]
+    path = tmp_path / "dup.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:5]))
+    splits = []
+    for _ in range(2):
+        data = InstructDataModule(tokenizer=str(tiny_model_dir), train_files=[str(path)], val_fraction=0.3)
+        data.setup("fit")
+        splits.append([s.source for s in data.val_samples])
+        assert data.counts["train"]["dropped_duplicate"] == 5
+        assert len(data.train_samples) == 7 and len(data.val_samples) == 3
+        train_ids = {tuple(s.input_ids) for s in data.train_samples}
+        assert not train_ids & {tuple(s.input_ids) for s in data.val_samples}
+    assert splits[0] == splits[1]  # the split depends on split_seed only
