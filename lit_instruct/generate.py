@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lit_instruct.data.render import ALPACA_CHAT_TEMPLATE
+from lit_instruct.data.render import resolve_chat_template
 
 
 def load_for_generation(model: str, adapter: str | None = None, dtype: str = "float32") -> tuple[Any, Any]:
@@ -41,9 +41,11 @@ def generate(
     ``streamer`` (e.g. ``transformers.TextStreamer``) receives tokens as they are produced.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    template = chat_template or tokenizer.chat_template or ALPACA_CHAT_TEMPLATE
     text = tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+        messages,
+        chat_template=resolve_chat_template(tokenizer, chat_template),
+        tokenize=False,
+        add_generation_prompt=True,
     )
     inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(model.device)
     sampling = {"temperature": temperature, "top_p": top_p} if temperature > 0 else {}

@@ -180,9 +180,12 @@ class InstructLoRAModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    def _trainable_names(self) -> set[str]:
+        return {name for name, p in self.named_parameters() if p.requires_grad}
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter weights: what a checkpoint stores."""
-        names = {name for name, p in self.named_parameters() if p.requires_grad}
+        names = self._trainable_names()
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -192,8 +195,8 @@ class InstructLoRAModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Complete the stored adapter weights with the frozen base already loaded, so that loading
         stays strict: a checkpoint that lacks an adapter weight is still an error."""
-        frozen = self.state_dict().keys() - self.trainable_state_dict().keys()
-        base = {k: v for k, v in self.state_dict().items() if k in frozen}
+        trainable = self._trainable_names()
+        base = {k: v for k, v in self.state_dict().items() if k not in trainable}
         checkpoint["state_dict"] = {**base, **checkpoint["state_dict"]}
 
     def on_fit_start(self) -> None:

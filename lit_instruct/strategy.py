@@ -7,7 +7,7 @@ same without them, on its reference loss.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import lightning as L
 import torch
@@ -27,8 +27,8 @@ class FusedCEMixin:
     def __init__(self, *args: Any, chunk_size: int | None = None, backend: Backend = "auto", **kwargs: Any):
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if backend not in get_args(Backend):
+            raise ValueError(f"backend must be one of {get_args(Backend)}, got {backend!r}")
         super().__init__(*args, **kwargs)
         self.loss = FusedLinearCrossEntropy(chunk_size=chunk_size, backend=backend)
 

@@ -28,6 +28,14 @@ ALPACA_CHAT_TEMPLATE = (
 """The fallback prompt template (alpaca style) for tokenizers without a chat template."""
 
 
+def resolve_chat_template(tokenizer: Any, override: str | None = None) -> str:
+    """The template that renders conversations: ``override``, else the tokenizer's, else alpaca.
+
+    Training and generation both call this, so a model is prompted the way it was trained.
+    """
+    return override or tokenizer.chat_template or ALPACA_CHAT_TEMPLATE
+
+
 @dataclass(frozen=True)
 class Sample:
     """A tokenized conversation: ``labels[p]`` is ``input_ids[p]`` on answer tokens, else -100."""
@@ -60,7 +68,7 @@ class ChatRenderer:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
-        self.chat_template = chat_template or tokenizer.chat_template or ALPACA_CHAT_TEMPLATE
+        self.chat_template = resolve_chat_template(tokenizer, chat_template)
         self._special_ids = set(tokenizer.all_special_ids)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
