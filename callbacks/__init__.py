@@ -1,5 +1,7 @@
 """Lightning callbacks for instruction tuning, installed as ``lit_instruct.callbacks``."""
 
 from lit_instruct.callbacks.generation_preview import GenerationPreview
+from lit_instruct.callbacks.layer_profiler import LayerProfiler
+from lit_instruct.callbacks.nonfinite import NonFiniteTrainingError, SkipNonFiniteSteps
 
-__all__ = ["GenerationPreview"]
+__all__ = ["GenerationPreview", "LayerProfiler", "NonFiniteTrainingError", "SkipNonFiniteSteps"]

@@ -10,7 +10,8 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
@@ -25,6 +26,7 @@ from lit_instruct.model import (
     load_base_model,
     parameter_bytes,
 )
+from lit_instruct.rng import gather_rng_states, restore_rng_states
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
@@ -93,6 +95,8 @@ class InstructLoRAModule(L.LightningModule):
         self.last_val_step: int | None = None
         self._step_started = 0.0
         self._batch_tokens = 0
+        self._window_loss, self._window_count, self._window_tokens = torch.zeros(()), 0, 0  # this rank's
+        self._rng_to_restore: list[dict[str, Any]] | None = None
         self._check_head()
 
     @property
@@ -130,15 +134,35 @@ class InstructLoRAModule(L.LightningModule):
         return self.loss_fn(shifted, self.lm_head.weight, labels, reduction="sum"), count
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The micro-batch's *summed* loss; :meth:`on_before_optimizer_step` divides the window's
+        gradient by the response-token count of the whole window on all ranks."""
         loss_sum, count = self.loss_sum_and_count(batch)
-        loss = loss_sum / max(count, 1)
+        self._window_loss = self._window_loss + loss_sum.detach().float()
+        self._window_count += count
         tokens = int(batch["attention_mask"].sum())
-        self.tokens_seen += tokens
-        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=len(batch["input_ids"]))
-        self.log("train/response_tokens", float(count), batch_size=1)
-        self.log("train/tokens", float(self.tokens_seen), batch_size=1)
+        self._window_tokens += tokens
         self._batch_tokens = tokens
-        return loss
+        return loss_sum
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make the step's gradient that of sum(CE) / count over the whole window, all ranks.
+
+        Lightning divided each micro-batch's loss by ``accumulate_grad_batches`` and DDP averaged
+        over ranks; undo both and divide by the all-reduced count instead, before any clipping, so
+        every response token weighs the same whatever the accumulation, rank or batch it is in.
+        """
+        window = torch.tensor([0.0, self._window_count, self._window_tokens], device=self.device)
+        window[0] = self._window_loss
+        loss_sum, count, tokens = self.trainer.strategy.reduce(window, reduce_op="sum").tolist()
+        self._window_loss, self._window_count, self._window_tokens = torch.zeros(()), 0, 0
+        self.tokens_seen += int(tokens)
+        factor = self.trainer.accumulate_grad_batches * self.trainer.world_size / max(count, 1.0)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+        self.log("train/loss", loss_sum / max(count, 1.0), prog_bar=True, batch_size=1)
+        self.log("train/response_tokens", count, batch_size=1)
+        self.log("train/tokens", float(self.tokens_seen), batch_size=1)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
@@ -189,8 +213,12 @@ class InstructLoRAModule(L.LightningModule):
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep only the trainable (adapter) weights: the frozen base is reloaded from ``model``."""
+        """Keep only the trainable (adapter) weights, the frozen base is reloaded from ``model``; add
+        every rank's RNG states (LoRA dropout), so that a resumed run draws the same masks."""
         checkpoint["state_dict"] = self.trainable_state_dict()
+        checkpoint["tokens_seen"] = self.tokens_seen
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            checkpoint["rng_states"] = gather_rng_states()  # collective: every rank dumps checkpoints
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Complete the stored adapter weights with the frozen base already loaded, so that loading
@@ -198,6 +226,20 @@ class InstructLoRAModule(L.LightningModule):
         trainable = self._trainable_names()
         base = {k: v for k, v in self.state_dict().items() if k not in trainable}
         checkpoint["state_dict"] = {**base, **checkpoint["state_dict"]}
+        self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self._rng_to_restore = checkpoint.get("rng_states")
+
+    def on_train_start(self) -> None:
+        """Put back the checkpoint's RNG states right before the first resumed step."""
+        states, self._rng_to_restore = self._rng_to_restore, None
+        if states is None:
+            return
+        if len(states) != self.trainer.world_size:
+            rank_zero_warn(
+                f"the checkpoint has RNG states of {len(states)} ranks, not {self.trainer.world_size}"
+            )
+            return
+        restore_rng_states(states[self.global_rank])
 
     def on_fit_start(self) -> None:
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -224,6 +266,7 @@ class InstructLoRAModule(L.LightningModule):
         return Path(trainer.log_dir or trainer.default_root_dir) / "adapter"
 
     def on_fit_end(self) -> None:
+        path = self.adapter_path()  # on every rank: the log directory is broadcast from rank 0
         if self.trainer.is_global_zero:
-            path = save_adapter(self.model, self.adapter_path())
+            path = save_adapter(self.model, path)
             rank_zero_info(f"lit-instruct: adapter saved to {path}")

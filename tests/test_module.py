@@ -16,13 +16,24 @@ from lit_instruct.model import LoRAConfig
 from lit_instruct.module import InstructLoRAModule
 
 
-def make(tiny_model_dir: Path, chat_file: Path, **kwargs) -> tuple[InstructLoRAModule, InstructDataModule]:
+def make(
+    tiny_model_dir: Path,
+    chat_file: Path,
+    module_cls: type = InstructLoRAModule,
+    batch_size: int = 3,
+    **kwargs,
+) -> tuple[InstructLoRAModule, InstructDataModule]:
+    """The tiny model with small LoRA adapters (``kwargs`` override the module's defaults) and its data."""
     L.seed_everything(0)
-    module = InstructLoRAModule(
-        **kwargs, model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2, warmup_steps=0
+    defaults = dict(
+        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2, warmup_steps=0
     )
+    module = module_cls(**{**defaults, **kwargs})
     data = InstructDataModule(
-        tokenizer=str(tiny_model_dir), train_files=[str(chat_file)], val_files=[str(chat_file)], batch_size=3
+        tokenizer=str(tiny_model_dir),
+        train_files=[str(chat_file)],
+        val_files=[str(chat_file)],
+        batch_size=batch_size,
     )
     return module, data
 

@@ -63,18 +63,3 @@ def test_chatterbot_conversations_alternate_user_and_assistant() -> None:
         roles = [m.role for m in record.messages]
         assert roles == ["user", "assistant"] * (len(roles) // 2)
         assert "greetings.yml[conversation " in record.source
-
-
-def test_length_grouped_sampler_is_a_seeded_permutation_of_similar_length_batches() -> None:
-    from lit_instruct.data.sampler import LengthGroupedSampler
-
-    lengths = [(i * 37) % 101 for i in range(200)]
-    sampler = LengthGroupedSampler(lengths, batch_size=4, group_size=10, seed=3)
-    order = list(sampler)
-    assert sorted(order) == list(range(200))
-    assert order == list(LengthGroupedSampler(lengths, batch_size=4, group_size=10, seed=3))
-    sampler.set_epoch(1)
-    assert list(sampler) != order
-    # Within a batch, lengths are close: far closer than in a random batch.
-    batches = [[lengths[i] for i in order[k : k + 4]] for k in range(0, 200, 4)]
-    assert sum(max(b) - min(b) for b in batches) / len(batches) < 10

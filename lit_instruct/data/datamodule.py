@@ -7,6 +7,7 @@ from collections import Counter
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
@@ -14,7 +15,7 @@ from lit_instruct.data.chatterbot import read_chatterbot
 from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.records import Message, Record, RecordFormat, read_records
 from lit_instruct.data.render import ChatRenderer, Sample
-from lit_instruct.data.sampler import LengthGroupedSampler
+from lit_instruct.data.sampler import InstructSampler
 
 
 def drop_duplicates(records: list[Record], counts: Counter[str]) -> list[Record]:
@@ -68,9 +69,10 @@ class InstructDataModule(L.LightningDataModule):
         chat_template: Jinja chat template overriding the tokenizer's (also used when it has none;
             default then: an alpaca prompt template).
         pad_to_multiple_of: round padded batch lengths up to a multiple of this.
-        num_workers: DataLoader worker processes.
+        num_workers: validation DataLoader worker processes (training batches are built in the main
+            process: the samples are tokenized already).
         group_by_length: batch samples of similar length together (less padding, faster steps).
-        seed: seed of the length-grouped order.
+        seed: seed of the training order (shuffled anew each epoch from ``seed + epoch``).
         deduplicate: drop repeated identical conversations (counted) before the split, so that
             held-out samples are really held out.
     """
@@ -120,6 +122,8 @@ class InstructDataModule(L.LightningDataModule):
         self.train_samples: list[Sample] = []
         self.val_samples: list[Sample] = []
         self.counts: dict[str, Counter[str]] = {"train": Counter(), "val": Counter()}
+        self.sampler: InstructSampler | None = None
+        self._resume: tuple[int, int] | None = None
 
     def prepare_data(self) -> None:
         """Prepare a bundled model's tokenizer once (rank 0 only)."""
@@ -177,18 +181,42 @@ class InstructDataModule(L.LightningDataModule):
         return PadCollator(pad_id, self.pad_to_multiple_of)
 
     def train_dataloader(self) -> DataLoader:
-        sampler = None
-        if self.group_by_length:
-            lengths = [len(s.input_ids) for s in self.train_samples]
-            sampler = LengthGroupedSampler(lengths, self.batch_size, seed=self.seed)
-        return DataLoader(
-            self.train_samples,
-            batch_size=self.batch_size,
-            shuffle=sampler is None,
-            sampler=sampler,
-            collate_fn=self._collator(),
-            num_workers=self.num_workers,
+        """Batches of :class:`InstructSampler`'s order, built in the main process.
+
+        The samples are tokenized already, so worker processes would only add overhead; and the
+        order stays exactly resumable mid-epoch (see :meth:`state_dict`).
+        """
+        trainer = self.trainer
+        self.sampler = InstructSampler(
+            [len(s.input_ids) for s in self.train_samples],
+            self.batch_size,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+            group_by_length=self.group_by_length,
+            seed=self.seed,
         )
+        if self._resume is not None:
+            self.sampler.resume_at(*self._resume)
+        return DataLoader(
+            self.train_samples, batch_size=self.batch_size, sampler=self.sampler, collate_fn=self._collator()
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands in the data: the epoch and how many of its batches are done.
+
+        Read from the Trainer's own progress, which counts what the loop consumed (a DataLoader's
+        count would include what was fetched ahead).
+        """
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return {}
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return {"epoch": trainer.current_epoch, "batches_done": done}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the training order where the checkpoint left it."""
+        if state_dict:
+            self._resume = (state_dict["epoch"], state_dict["batches_done"])
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(

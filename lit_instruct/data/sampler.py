@@ -1,49 +1,95 @@
-"""Length-grouped sampling: batches of similar lengths, so little of each batch is padding."""
+"""The training order: seeded per epoch, sharded over ranks by global batch, resumable mid-epoch."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 
-class LengthGroupedSampler(Sampler[int]):
-    """Shuffle, then sort by length within mega-batches of ``batch_size * group_size`` samples.
+class InstructSampler(DistributedSampler):
+    """Training sample order for one rank.
 
-    Consecutive runs of ``batch_size`` indices have similar lengths; the order of those runs is
-    shuffled again so long and short batches alternate. The order depends only on ``seed`` and the
-    epoch (Lightning calls :meth:`set_epoch`).
+    Each epoch's global order depends only on ``seed`` and the epoch: a random permutation, or with
+    ``group_by_length`` the same shuffle sorted by length within mega-batches of ``group_size``
+    global batches (so each batch has little padding), with the full batches shuffled again (the
+    samples of incomplete ones go last, so that the batches stay aligned). Global batch
+    ``g`` is ``order[g*B*W : (g+1)*B*W]`` and rank ``r`` takes its ``r``-th slice of ``B`` samples,
+    so ``W`` ranks with batch ``B`` see the same global batches as one process with batch ``B*W``. The
+    order is padded by repeating its start to a multiple of ``W``, so every rank has as many batches.
+
+    :meth:`resume_at` makes the next iteration over that epoch start after the batches already
+    trained on. Being a ``DistributedSampler``, Lightning uses it as it is under DDP.
 
     Args:
-        lengths: length of each sample.
-        batch_size: the DataLoader's batch size.
-        group_size: how many batches' worth of samples are sorted together.
+        lengths: token length of each sample.
+        batch_size: samples per batch on one rank (``B``).
+        num_replicas: number of ranks (``W``).
+        rank: this rank.
+        group_by_length: group samples of similar length into batches.
+        group_size: how many global batches' worth of samples are sorted together.
         seed: base seed of the shuffles.
     """
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, group_size: int = 32, seed: int = 0) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        group_by_length: bool = False,
+        group_size: int = 32,
+        seed: int = 0,
+    ) -> None:
         if batch_size < 1 or group_size < 1:
             raise ValueError(f"batch_size and group_size must be >= 1, got {batch_size}, {group_size}")
-        self.lengths = list(lengths)
+        lengths = list(lengths)
+        super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.lengths = lengths
         self.batch_size = batch_size
+        self.group_by_length = group_by_length
         self.group_size = group_size
-        self.seed = seed
-        self.epoch = 0
+        self._resume: tuple[int, int] | None = None
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def resume_at(self, epoch: int, batches_done: int) -> None:
+        """Skip the first ``batches_done`` batches when epoch ``epoch`` is iterated next."""
+        self._resume = (epoch, batches_done)
 
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+    def global_order(self, epoch: int) -> list[int]:
+        """All ranks' samples of ``epoch``, in global-batch order (before padding)."""
+        generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(len(self.lengths), generator=generator).tolist()
-        span = self.batch_size * self.group_size
+        if not self.group_by_length:
+            return order
+        global_batch = self.batch_size * self.num_replicas
+        span = global_batch * self.group_size
         batches: list[list[int]] = []
         for start in range(0, len(order), span):
             group = sorted(order[start : start + span], key=lambda i: -self.lengths[i])
-            batches += [group[i : i + self.batch_size] for i in range(0, len(group), self.batch_size)]
-        for b in torch.randperm(len(batches), generator=generator).tolist():
-            yield from batches[b]
+            batches += [group[i : i + global_batch] for i in range(0, len(group), global_batch)]
+        full = [b for b in batches if len(b) == global_batch]
+        rest = [i for b in batches if len(b) < global_batch for i in b]  # last, to keep batches aligned
+        return [i for b in torch.randperm(len(full), generator=generator).tolist() for i in full[b]] + rest
+
+    def rank_order(self, epoch: int) -> list[int]:
+        """This rank's samples of ``epoch``: its slice of every global batch, then of the remainder."""
+        order = self.global_order(epoch)
+        order += order[: self.total_size - len(order)]  # pad to a multiple of the number of ranks
+        batch, world, rank = self.batch_size, self.num_replicas, self.rank
+        full = len(order) // (batch * world) * batch * world
+        mine = [
+            i for g in range(0, full, batch * world) for i in order[g + rank * batch : g + (rank + 1) * batch]
+        ]
+        return mine + order[full + rank :: world]
+
+    def __iter__(self) -> Iterator[int]:
+        # A generator: the epoch and the resume point are read when iteration really starts,
+        # after Lightning has set the epoch and restored a checkpoint.
+        skip = 0
+        if self._resume is not None and self._resume[0] <= self.epoch:
+            if self._resume[0] == self.epoch:
+                skip = self._resume[1] * self.batch_size
+            self._resume = None
+        yield from self.rank_order(self.epoch)[skip:]

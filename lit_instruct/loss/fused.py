@@ -20,7 +20,7 @@ from lit_instruct.loss.reference import Reduction
 
 Backend = Literal["auto", "torch", "triton"]
 
-WORKSPACE_BYTES = 256 * 2**20
+WORKSPACE_BYTES = 512 * 2**20
 """Bound on one chunk's fp32 logits; the chunk has ``WORKSPACE_BYTES // (4 * V)`` rows by default."""
 
 
@@ -175,7 +175,7 @@ def fused_linear_cross_entropy(
             requires one.
         labels: ``(N,)`` targets; ``ignore_index`` rows cost nothing.
         reduction: ``mean`` over counted rows (0 when there are none), or ``sum``.
-        chunk_size: token rows per chunk (default: a 256 MiB fp32 logits workspace).
+        chunk_size: token rows per chunk (default: a 512 MiB fp32 logits workspace).
         backend: ``torch`` (any device), ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``auto`` (triton on CUDA when installed, else torch).
 

@@ -1,0 +1,46 @@
+"""Random-number-generator states of every rank, for checkpoints that resume exactly."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def capture_rng_states() -> dict[str, Any]:
+    """This process's torch (CPU and CUDA), Python and NumPy generator states, as plain data and
+    tensors (loadable with ``torch.load(weights_only=True)``)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": _numpy_state(),
+    }
+
+
+def _numpy_state() -> tuple[Any, ...]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()  # keys as a tensor: weights_only loads it
+    return name, torch.from_numpy(keys.copy()), pos, has_gauss, cached
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Put back what :func:`capture_rng_states` returned."""
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    random.setstate(states["python"])
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, keys.numpy(), pos, has_gauss, cached))
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's states, indexed by rank (a collective call under torch.distributed)."""
+    states = capture_rng_states()
+    if not (dist.is_available() and dist.is_initialized()):
+        return [states]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, states)
+    return gathered

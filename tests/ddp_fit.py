@@ -1,0 +1,63 @@
+"""A 2-process CPU DDP fit (gloo) of the tiny model; each rank saves what it ended with.
+
+    python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
+
+Lightning's ``ddp`` launcher starts rank 1 by running this script again. Each rank writes
+``<out>/rank<r>.pt``: its LoRA weights after every step, and the SkipNonFiniteSteps counters.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lit_instruct.callbacks import SkipNonFiniteSteps
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.model import LoRAConfig
+from tests.faults import FaultyModule, Recorder
+
+
+def main(args: dict) -> None:
+    L.seed_everything(0)
+    module = FaultyModule(
+        model=args["model"],
+        lora=LoRAConfig(r=4, alpha=8),
+        learning_rate=1e-2,
+        warmup_steps=0,
+        nan_loss_at=tuple(args.get("nan_loss_at", ())),
+        inf_grad_at=tuple(args.get("inf_grad_at", ())),
+        fault_rank=args.get("fault_rank"),
+    )
+    data = InstructDataModule(tokenizer=args["model"], train_files=[args["data"]], batch_size=1)
+    skip, recorder = SkipNonFiniteSteps(max_consecutive=3), Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=args.get("strategy", "ddp"),
+        max_steps=args["max_steps"],
+        accumulate_grad_batches=args.get("accumulate_grad_batches", 1),
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args["out"],
+        callbacks=[skip, recorder],
+    )
+    trainer.fit(module, datamodule=data)
+    out = Path(args["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "weights_per_step": [weights for weights, _, _ in recorder.states],
+        "skipped": skip.skipped,
+        "consecutive": skip.consecutive,
+    }
+    torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
