@@ -187,7 +187,8 @@ class InstructLoRAModule(L.LightningModule):
         if self.val_tokens.update_count == 0:
             return
         loss = self.val_loss.compute()
-        self.log_dict({"val/loss": loss, "val/ppl": loss.exp(), "val/tokens": self.val_tokens.compute()})
+        metrics = {"val/loss": loss, "val/ppl": loss.exp(), "val/tokens": self.val_tokens.compute()}
+        self.log_dict(metrics, sync_dist=True)  # equal on every rank already (torchmetrics syncs)
         if not self.trainer.sanity_checking:
             self.last_val_step = self.global_step
 

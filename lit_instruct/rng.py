@@ -41,6 +41,27 @@ def gather_rng_states() -> list[dict[str, Any]]:
     states = capture_rng_states()
     if not (dist.is_available() and dist.is_initialized()):
         return [states]
+    # Tensors travel as lists: all_gather_object cannot unpickle tensors in some torch versions.
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, states)
-    return gathered
+    dist.all_gather_object(gathered, _encode(states))
+    return [_decode(g) for g in gathered]
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_encode(v) for v in value)
+    return value
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, dict):
+        return {k: _decode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_decode(v) for v in value)
+    return value

@@ -2,15 +2,20 @@
 
     python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
 
-Lightning's ``ddp`` launcher starts rank 1 by running this script again. Each rank writes
-``<out>/rank<r>.pt``: its LoRA weights after every step, and the SkipNonFiniteSteps counters.
+Lightning's ``ddp`` launcher starts rank 1 by running this script again. Rank 0 writes
+``<out>/last.ckpt``; each rank writes
+``<out>/rank<r>.pt``: its LoRA weights and logged ``train/loss`` after every step, and the
+SkipNonFiniteSteps counters.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -32,7 +37,8 @@ def main(args: dict) -> None:
         inf_grad_at=tuple(args.get("inf_grad_at", ())),
         fault_rank=args.get("fault_rank"),
     )
-    data = InstructDataModule(tokenizer=args["model"], train_files=[args["data"]], batch_size=1)
+    batch_size = args.get("batch_size", 1)
+    data = InstructDataModule(tokenizer=args["model"], train_files=[args["data"]], batch_size=batch_size)
     skip, recorder = SkipNonFiniteSteps(max_consecutive=3), Recorder()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -50,13 +56,27 @@ def main(args: dict) -> None:
     )
     trainer.fit(module, datamodule=data)
     out = Path(args["out"])
-    out.mkdir(parents=True, exist_ok=True)
+    trainer.save_checkpoint(out / "last.ckpt")  # collective: every rank's RNG states go in
     result = {
         "weights_per_step": [weights for weights, _, _ in recorder.states],
+        "losses": recorder.losses,
         "skipped": skip.skipped,
         "consecutive": skip.consecutive,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
+
+
+def run_ddp_fit(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run this script in a fresh process (which starts the second rank); return both ranks' results."""
+    root = Path(__file__).parents[1]
+    subprocess.run(
+        [sys.executable, __file__, json.dumps(args)],
+        check=True,
+        timeout=300,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    return [torch.load(Path(args["out"]) / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
 if __name__ == "__main__":

@@ -42,12 +42,15 @@ class FaultyModule(InstructLoRAModule):
 
 
 class Recorder(L.Callback):
-    """After every training batch: the LoRA weights, the optimizer state and the learning rate."""
+    """After every training batch: the LoRA weights, the optimizer state and the learning rate
+    (``states``), and the logged ``train/loss`` (``losses``)."""
 
     def __init__(self) -> None:
         self.states: list[tuple[dict, dict, float]] = []
+        self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         optimizer = trainer.optimizers[0]
         weights = {k: v.clone() for k, v in pl_module.trainable_state_dict().items()}
         self.states.append((weights, copy.deepcopy(optimizer.state_dict()), optimizer.param_groups[0]["lr"]))
+        self.losses.append(float(trainer.callback_metrics.get("train/loss", float("nan"))))

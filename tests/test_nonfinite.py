@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lit_instruct.callbacks import NonFiniteTrainingError, SkipNonFiniteSteps
+from tests.ddp_fit import run_ddp_fit
 from tests.faults import FaultyModule, Recorder
 from tests.test_module import make, trainer
 
@@ -101,14 +98,7 @@ def test_ddp_nan_on_one_rank_skips_on_both(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps(c) + "\n" for c in chats))  # 6 batches per rank and epoch
     args = {"model": str(tiny_model_dir), "data": str(data), "out": str(out), "max_steps": 5}
     args.update(fault_rank=1, nan_loss_at=[1], inf_grad_at=[3])  # Inf put in after DDP's all-reduce
-    subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("ddp_fit.py")), json.dumps(args)],
-        check=True,
-        timeout=300,
-        cwd=Path(__file__).parents[1],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
-    )
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    ranks = run_ddp_fit(args)
     for rank in ranks:
         assert rank["skipped"] == 2 and rank["consecutive"] == 0
         steps = rank["weights_per_step"]

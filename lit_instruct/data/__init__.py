@@ -4,12 +4,14 @@ from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError, Message, Record, read_records
 from lit_instruct.data.render import IGNORE_INDEX, ChatRenderer, Sample
+from lit_instruct.data.sampler import InstructSampler
 
 __all__ = [
     "IGNORE_INDEX",
     "ChatRenderer",
     "DataError",
     "InstructDataModule",
+    "InstructSampler",
     "Message",
     "PadCollator",
     "Record",
