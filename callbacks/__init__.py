@@ -1,7 +1,16 @@
 """Lightning callbacks for instruction tuning, installed as ``lit_instruct.callbacks``."""
 
+from lit_instruct.callbacks.adapter_checkpoint import AdapterCheckpoint
 from lit_instruct.callbacks.generation_preview import GenerationPreview
 from lit_instruct.callbacks.layer_profiler import LayerProfiler
+from lit_instruct.callbacks.loss_curves import LossCurves
 from lit_instruct.callbacks.nonfinite import NonFiniteTrainingError, SkipNonFiniteSteps
 
-__all__ = ["GenerationPreview", "LayerProfiler", "NonFiniteTrainingError", "SkipNonFiniteSteps"]
+__all__ = [
+    "AdapterCheckpoint",
+    "GenerationPreview",
+    "LayerProfiler",
+    "LossCurves",
+    "NonFiniteTrainingError",
+    "SkipNonFiniteSteps",
+]

@@ -19,11 +19,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
+
+from lit_instruct.callbacks.figures import log_image, pyplot
 
 PHASES = ("forward", "loss", "lm_head_backward", "layer_backward", "optimizer", "step")
 """Step phases: decoder trunk forward; loss (with a fused loss, its in-forward lm_head backward too);
@@ -247,20 +248,15 @@ class LayerProfiler(L.Callback):
             writer.writerows(layers)
         table = {"profiled_steps": len(self.history), "phases": phases, "layers": layers}
         (directory / "layer_profile.json").write_text(json.dumps(table, indent=2))
-        chart = plot_layer_profile(phases, layers, directory / "layer_profile.png")
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                logger.log_image("profile/layers", [str(chart)])
+        log_image(
+            trainer, "profile/layers", plot_layer_profile(phases, layers, directory / "layer_profile.png")
+        )
         rank_zero_info(f"lit-instruct: layer profile of {len(self.history)} steps in {directory}")
 
 
 def plot_layer_profile(phases: dict[str, float], layers: list[dict[str, float]], path: Path) -> Path:
     """A PNG: per-layer forward/backward bars, and the step's phases."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (by_layer, by_phase) = plt.subplots(
         1, 2, figsize=(12, 0.25 * len(layers) + 2.5), width_ratios=(3, 2)
     )

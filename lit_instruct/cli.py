@@ -6,15 +6,46 @@ import argparse
 import sys
 from typing import Any
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+import lightning as L
+from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.module import InstructLoRAModule
+from lit_instruct.secrets import redact
 
 
 def _val_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
+
+
+def redact_namespace(config: Namespace) -> Namespace:
+    """A copy of a parsed config with secret-looking fields and secret environment values redacted."""
+    config = config.clone()
+    for key, value in config.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if isinstance(value, list):
+            config[key] = [
+                redact_namespace(v) if isinstance(v, Namespace) else redact(v, key=leaf) for v in value
+            ]
+        else:
+            config[key] = redact(value, key=leaf)
+    return config
+
+
+class ConfigToLoggers(SaveConfigCallback):
+    """Writes ``config.yaml`` to the log directory and logs the full resolved config as the run
+    config of every logger (``config`` in W&B), both with secrets redacted."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.config = redact_namespace(self.config)
+        super().setup(trainer, pl_module, stage)
+
+    def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        config = self.config.as_dict()
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": config})
 
 
 class InstructCLI(LightningCLI):
@@ -26,6 +57,7 @@ class InstructCLI(LightningCLI):
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", 42)
+        kwargs.setdefault("save_config_callback", ConfigToLoggers)
         super().__init__(InstructLoRAModule, InstructDataModule, **kwargs)
 
     @staticmethod

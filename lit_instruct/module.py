@@ -27,6 +27,7 @@ from lit_instruct.model import (
     parameter_bytes,
 )
 from lit_instruct.rng import gather_rng_states, restore_rng_states
+from lit_instruct.summary import FitTotals, fit_summary
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
@@ -92,7 +93,10 @@ class InstructLoRAModule(L.LightningModule):
         self.val_loss = MeanMetric()
         self.val_tokens = SumMetric()
         self.tokens_seen = 0
+        self.response_tokens_seen = 0
+        self.best_val: tuple[float, int] | None = None  # (val/loss, step)
         self.last_val_step: int | None = None
+        self._fit_started = 0.0
         self._step_started = 0.0
         self._batch_tokens = 0
         self._window_loss, self._window_count, self._window_tokens = torch.zeros(()), 0, 0  # this rank's
@@ -156,6 +160,7 @@ class InstructLoRAModule(L.LightningModule):
         loss_sum, count, tokens = self.trainer.strategy.reduce(window, reduce_op="sum").tolist()
         self._window_loss, self._window_count, self._window_tokens = torch.zeros(()), 0, 0
         self.tokens_seen += int(tokens)
+        self.response_tokens_seen += int(count)
         factor = self.trainer.accumulate_grad_batches * self.trainer.world_size / max(count, 1.0)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
@@ -163,6 +168,7 @@ class InstructLoRAModule(L.LightningModule):
         self.log("train/loss", loss_sum / max(count, 1.0), prog_bar=True, batch_size=1)
         self.log("train/response_tokens", count, batch_size=1)
         self.log("train/tokens", float(self.tokens_seen), batch_size=1)
+        self.log("train/lr", optimizer.param_groups[0]["lr"], prog_bar=True, batch_size=1)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
@@ -191,6 +197,10 @@ class InstructLoRAModule(L.LightningModule):
         self.log_dict(metrics, sync_dist=True)  # equal on every rank already (torchmetrics syncs)
         if not self.trainer.sanity_checking:
             self.last_val_step = self.global_step
+            if self.trainer.state.fn == TrainerFn.FITTING and (
+                self.best_val is None or loss < self.best_val[0]
+            ):
+                self.best_val = (float(loss), self.global_step)
 
     def configure_optimizers(self) -> dict[str, Any]:
         params = [p for p in self.parameters() if p.requires_grad]
@@ -217,7 +227,7 @@ class InstructLoRAModule(L.LightningModule):
         """Keep only the trainable (adapter) weights, the frozen base is reloaded from ``model``; add
         every rank's RNG states (LoRA dropout), so that a resumed run draws the same masks."""
         checkpoint["state_dict"] = self.trainable_state_dict()
-        checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["tokens_seen"] = (self.tokens_seen, self.response_tokens_seen)
         if self.trainer.state.fn == TrainerFn.FITTING:
             checkpoint["rng_states"] = gather_rng_states()  # collective: every rank dumps checkpoints
 
@@ -227,7 +237,7 @@ class InstructLoRAModule(L.LightningModule):
         trainable = self._trainable_names()
         base = {k: v for k, v in self.state_dict().items() if k not in trainable}
         checkpoint["state_dict"] = {**base, **checkpoint["state_dict"]}
-        self.tokens_seen = checkpoint.get("tokens_seen", 0)
+        self.tokens_seen, self.response_tokens_seen = checkpoint.get("tokens_seen", (0, 0))
         self._rng_to_restore = checkpoint.get("rng_states")
 
     def on_train_start(self) -> None:
@@ -243,6 +253,7 @@ class InstructLoRAModule(L.LightningModule):
         restore_rng_states(states[self.global_rank])
 
     def on_fit_start(self) -> None:
+        self._fit_started = time.perf_counter()
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         total = sum(p.numel() for p in self.parameters())
         base = parameter_bytes(self.model)
@@ -270,4 +281,7 @@ class InstructLoRAModule(L.LightningModule):
         path = self.adapter_path()  # on every rank: the log directory is broadcast from rank 0
         if self.trainer.is_global_zero:
             path = save_adapter(self.model, path)
-            rank_zero_info(f"lit-instruct: adapter saved to {path}")
+            best_loss, best_step = self.best_val or (None, None)
+            seconds = time.perf_counter() - self._fit_started
+            totals = FitTotals(seconds, self.tokens_seen, self.response_tokens_seen, best_loss, best_step)
+            rank_zero_info(fit_summary(self.trainer, totals, path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ def test_three_formats_are_detected_per_file(tmp_path: Path) -> None:
     assert p.messages == (Message("user", "Hi"), Message("assistant", "Hello"))
     (c,) = read_records(chat)
     assert c.messages == (Message("user", "Q"), Message("assistant", "A"))
-    assert c.source == f"{chat}[record 0]"
+    assert c.source == f"{chat}[record 1]"
 
 
 def test_alpaca_without_input_uses_instruction_alone(tmp_path: Path) -> None:
@@ -39,21 +40,54 @@ def test_alpaca_without_input_uses_instruction_alone(tmp_path: Path) -> None:
     assert record.messages[0] == Message("user", "Say hi")
 
 
-@pytest.mark.parametrize(
-    ("line", "expected"),
-    [
-        ('{"prompt": "x", "completion": 3}', r":2: field 'completion' must be a string, got int"),
-        ('{"instruction": "x"}', r":2: field 'output' is missing"),
-        ('{"text": "x"}', r":2: record has keys \['text'\]"),
-        ('{"prompt": "x", ', r":2: invalid JSON"),
-        ('{"messages": [{"role": "bot", "content": "x"}]}', r":2: field 'messages\[0\].role' is 'bot'"),
-    ],
-)
-def test_errors_name_file_line_and_field(tmp_path: Path, line: str, expected: str) -> None:
+GOOD = '{"prompt": "ok", "completion": "ok"}'
+BAD_LINES = {  # reason: (line 2 of a file between two good lines, the expected message after "file:2: ")
+    "bad_type": ('{"prompt": "x", "completion": 3}', r"field 'completion' must be a string, got int"),
+    "missing_field": ('{"instruction": "x"}', r"field 'output' is missing"),
+    "unknown_format": ('{"text": "x"}', r"record has keys \['text'\]; expected 'messages'"),
+    "truncated_line": ('{"prompt": "x", "completion": "y', r"line is truncated: the JSON ends early"),
+    "invalid_json": ('{"prompt": "x" "completion": "y"}', r"invalid JSON at column 16: Expecting ','"),
+    "blank_line": ("", r"blank line"),
+    "bad_role": ('{"messages": [{"role": "bot", "content": "x"}]}', r"field 'messages\[0\].role' is 'bot'"),
+    "empty_content": (
+        '{"prompt": "x", "completion": " "}',
+        r"field 'messages\[1\].content' \(assistant\) is empty",
+    ),
+    "no_final_answer": (
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "and?"},
+                ]
+            }
+        ),
+        r"the conversation ends with a user turn \(messages\[2\]\)",
+    ),
+    "not_an_object": ("[1, 2]", r"record must be a JSON object, got list"),
+}
+
+
+@pytest.mark.parametrize("reason", BAD_LINES)
+def test_errors_name_file_line_and_field(tmp_path: Path, reason: str) -> None:
+    line, expected = BAD_LINES[reason]
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "ok", "completion": "ok"}\n' + line + "\n")
-    with pytest.raises(DataError, match=str(path).replace(".", r"\.") + expected):
+    path.write_text(f"{GOOD}\n{line}\n{GOOD}\n")
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: ") + expected):
         read_records(path)
+
+
+def test_skipping_bad_records_keeps_the_good_ones_and_reports_each_bad_one(tmp_path: Path) -> None:
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(f"{GOOD}\n{line}\n" for line, _ in BAD_LINES.values()) + f"{GOOD}\n\n\n")
+    bad: list[tuple[str, str, str]] = []
+    records = read_records(path, on_bad=lambda raw, error: bad.append((raw.source, error.reason, raw.text)))
+    assert len(records) == len(BAD_LINES) + 1  # the trailing empty lines end the file, they are no records
+    assert [source for source, _, _ in bad] == [f"{path}:{2 * k}" for k in range(1, len(BAD_LINES) + 1)]
+    reasons = [reason.replace("not_an_object", "bad_type") for reason in BAD_LINES]
+    assert [reason for _, reason, _ in bad] == reasons
+    assert [text for _, _, text in bad] == [line for line, _ in BAD_LINES.values()]
 
 
 def test_chatterbot_conversations_alternate_user_and_assistant() -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lit_instruct.data.collate import PadCollator
-from lit_instruct.data.datamodule import render_all
 from lit_instruct.data.records import DataError, Message, Record
 from lit_instruct.data.render import IGNORE_INDEX, ChatRenderer
+from lit_instruct.data.validation import Rejects, build_samples
 
 SMOL_SYSTEM = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -76,11 +76,13 @@ def test_single_turn_gets_the_templates_default_system_prompt_masked(tokenizer) 
     )
 
 
-def test_fallback_alpaca_template_when_tokenizer_has_none(tokenizer) -> None:
+def test_no_chat_template_is_an_error_unless_one_is_given(tokenizer) -> None:
     bare = copy.deepcopy(tokenizer)
     bare.chat_template = None
+    with pytest.raises(ValueError, match=r"has no chat template: set data\.chat_template"):
+        ChatRenderer(bare, 512)
     check(
-        ChatRenderer(bare, 512),
+        ChatRenderer(bare, 512, chat_template="alpaca"),
         record(("user", "Say hi"), ("assistant", "Hi!")),
         [("### Instruction:\nSay hi\n\n### Response:\n", False), ("Hi!<|im_end|>", True), ("\n\n", False)],
     )
@@ -98,21 +100,29 @@ def test_response_cut_mid_way_keeps_the_answer_prefix_only(tokenizer) -> None:
     assert cut.num_targets == 3
 
 
-def test_prompt_longer_than_max_seq_len_and_empty_answers_are_dropped_and_counted(tokenizer) -> None:
+def test_long_samples_are_truncated_dropped_or_raise_and_counted(tokenizer) -> None:
     renderer = ChatRenderer(tokenizer, 40)
     records = [
-        record(("user", "word " * 100), ("assistant", "ok")),
-        record(("user", "Hi"), ("assistant", "")),
+        record(("user", "word " * 100), ("assistant", "ok")),  # the answer is cut away entirely
+        record(("user", "Hi"), ("assistant", "Hello " * 30)),  # the answer is cut short
         record(("user", "Hi"), ("assistant", "Hello")),
     ]
     counts: Counter[str] = Counter()
-    samples = render_all(records, renderer, counts)
-    assert [s.labels.count(IGNORE_INDEX) < len(s.labels) for s in samples] == [True]
-    assert counts["dropped_no_response_after_truncation"] == 1
-    assert counts["dropped_empty_response"] == 1
-    assert counts["samples"] == 1
-    assert counts["truncated"] == 1
-    assert counts["response_tokens"] == samples[0].num_targets == 2  # "Hello" + <|im_end|>
+    samples = build_samples(records, renderer, counts, Rejects(), on_long_sample="truncate")
+    assert [len(s.input_ids) for s in samples] == [40, len(renderer(records[2]).input_ids)]
+    assert counts == Counter(
+        dropped_no_response_after_truncation=1,
+        truncated=2,
+        samples=2,
+        response_tokens=sum(s.num_targets for s in samples),
+    )
+
+    counts = Counter()
+    samples = build_samples(records, renderer, counts, Rejects(), on_long_sample="drop")
+    assert [s.source for s in samples] == ["test:1"] and counts["dropped_too_long"] == 2
+
+    with pytest.raises(DataError, match=r"test:1: the sample has \d+ tokens, more than max_seq_len=40"):
+        build_samples(records, renderer, Counter(), Rejects(), on_long_sample="raise")
 
 
 def test_assistant_turn_without_a_user_turn_is_an_error(tokenizer) -> None:

@@ -1,7 +1,8 @@
 """The ``chatterbot-corpus`` package's conversations (BSD licensed) as multi-turn chat records.
 
 Each YAML conversation is a list of utterances that alternate user, assistant, user, ...; a trailing
-user utterance has nothing to learn from and is left off (and counted).
+user utterance has nothing to learn from and is left off (and counted); conversations with an empty
+utterance are dropped (and counted).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def read_chatterbot(
                 counts["trailing_user_turn_left_off"] += 1
             if not texts:
                 counts["too_short"] += 1
+                continue
+            if not all(texts):
+                counts["dropped_empty_utterance"] += 1
                 continue
             roles = ("user", "assistant") * (len(texts) // 2)
             records.append(Record(tuple(Message(r, t) for r, t in zip(roles, texts, strict=True)), source))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -16,6 +17,7 @@ from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.records import Message, Record, RecordFormat, read_records
 from lit_instruct.data.render import ChatRenderer, Sample
 from lit_instruct.data.sampler import InstructSampler
+from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects, build_samples
 
 
 def drop_duplicates(records: list[Record], counts: Counter[str]) -> list[Record]:
@@ -31,25 +33,6 @@ def drop_duplicates(records: list[Record], counts: Counter[str]) -> list[Record]
     return unique
 
 
-def render_all(records: list[Record], renderer: ChatRenderer, counts: Counter[str]) -> list[Sample]:
-    """Render ``records``; samples with nothing to learn are dropped and counted in ``counts``."""
-    samples = []
-    for record in records:
-        if any(m.role == "assistant" and not m.content.strip() for m in record.messages):
-            counts["dropped_empty_response"] += 1
-            continue
-        sample = renderer(record)
-        counts["truncated"] += sample.truncated
-        if sample.num_targets == 0:
-            reason = "no_response_after_truncation" if sample.truncated else "no_response_tokens"
-            counts[f"dropped_{reason}"] += 1
-            continue
-        samples.append(sample)
-    counts["samples"] = len(samples)
-    counts["response_tokens"] = sum(s.num_targets for s in samples)
-    return samples
-
-
 class InstructDataModule(L.LightningDataModule):
     """Instruction data for causal-LM fine-tuning: JSON/JSONL files and the chatterbot corpus.
 
@@ -61,7 +44,7 @@ class InstructDataModule(L.LightningDataModule):
         chatterbot_categories: add the chatterbot-corpus English conversations of these categories
             (file stems such as ``greetings``; ``["all"]`` for every category).
         format: record format of every file, or ``auto`` to detect it per file.
-        max_seq_len: samples are cut to this many tokens; answers cut away entirely are dropped.
+        max_seq_len: tokens per sample; what happens to longer ones is ``on_long_sample``.
         val_fraction: share of training records held out when no ``val_files`` are given.
         split_seed: seed of that split, independent of the training seed.
         batch_size: samples per training micro-batch.
@@ -75,6 +58,13 @@ class InstructDataModule(L.LightningDataModule):
         seed: seed of the training order (shuffled anew each epoch from ``seed + epoch``).
         deduplicate: drop repeated identical conversations (counted) before the split, so that
             held-out samples are really held out.
+        on_bad_record: ``raise`` (the default) at the first bad record, naming its file, line and
+            field; or ``skip`` bad records, counting them per reason and writing them to
+            ``rejects_file``.
+        on_long_sample: ``truncate`` samples to ``max_seq_len`` (answers cut away entirely are
+            dropped), ``drop`` them, or ``raise``; counts are reported at setup either way.
+        rejects_file: where skipped records go, one JSON line each with its location and reason
+            (default: ``rejects.jsonl`` in the log directory).
     """
 
     def __init__(
@@ -95,6 +85,9 @@ class InstructDataModule(L.LightningDataModule):
         group_by_length: bool = False,
         seed: int = 0,
         deduplicate: bool = True,
+        on_bad_record: BadRecordPolicy = "raise",
+        on_long_sample: LongSamplePolicy = "truncate",
+        rejects_file: str | None = None,
     ) -> None:
         super().__init__()
         if not (train_files or chatterbot_categories):
@@ -118,6 +111,9 @@ class InstructDataModule(L.LightningDataModule):
         self.group_by_length = group_by_length
         self.seed = seed
         self.deduplicate = deduplicate
+        self.on_long_sample = on_long_sample
+        self.rejects_file = rejects_file
+        self.rejects = Rejects(on_bad_record)
         self.tokenizer: Any = None
         self.train_samples: list[Sample] = []
         self.val_samples: list[Sample] = []
@@ -143,7 +139,8 @@ class InstructDataModule(L.LightningDataModule):
 
     def read_train_records(self) -> list[Record]:
         """All training records: files first, then chatterbot conversations."""
-        records = [r for path in self.train_files for r in read_records(path, self.format)]
+        on_bad = self.rejects.on_bad_raw(self.counts["train"])
+        records = [r for path in self.train_files for r in read_records(path, self.format, on_bad)]
         if self.chatterbot_categories:
             categories = None if self.chatterbot_categories == ["all"] else self.chatterbot_categories
             records += read_chatterbot(categories, counts=self.counts["train"])
@@ -152,7 +149,8 @@ class InstructDataModule(L.LightningDataModule):
     def split(self, records: list[Record]) -> tuple[list[Record], list[Record]]:
         """Hold out ``val_fraction`` of ``records`` (seeded) unless ``val_files`` are given."""
         if self.val_files:
-            return records, [r for path in self.val_files for r in read_records(path, self.format)]
+            on_bad = self.rejects.on_bad_raw(self.counts["val"])
+            return records, [r for path in self.val_files for r in read_records(path, self.format, on_bad)]
         order = list(range(len(records)))
         random.Random(self.split_seed).shuffle(order)
         n_val = round(len(records) * self.val_fraction)
@@ -166,14 +164,43 @@ class InstructDataModule(L.LightningDataModule):
             return
         renderer = ChatRenderer(self.load_tokenizer(), self.max_seq_len, self.chat_template)
         train_records, val_records = self.split(self.read_train_records())
-        self.train_samples = render_all(train_records, renderer, self.counts["train"])
-        self.val_samples = render_all(val_records, renderer, self.counts["val"])
-        for split, counts in self.counts.items():
+        vocab_size = self.model_vocab_size()
+        for split, records in (("train", train_records), ("val", val_records)):
+            samples = build_samples(
+                records, renderer, self.counts[split], self.rejects, self.on_long_sample, vocab_size
+            )
+            setattr(self, f"{split}_samples", samples)
+            counts = self.counts[split]
             rank_zero_info(
                 f"lit-instruct data [{split}]: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
             )
+        rejects = self.rejects_path()  # on every rank: the log directory is a collective
+        if self.rejects.rows and (self.trainer is None or self.trainer.is_global_zero):
+            self.rejects.write(rejects)
+            rank_zero_info(
+                f"lit-instruct data: {len(self.rejects.rows)} bad records skipped, listed in {rejects}"
+            )
         if not self.train_samples:
             raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
+
+    def model_vocab_size(self) -> int | None:
+        """Embedding rows of the model whose folder holds the tokenizer (``None`` without a config)."""
+        from transformers import AutoConfig
+
+        from lit_instruct.model import resolve_model_path
+
+        try:
+            config = AutoConfig.from_pretrained(resolve_model_path(self.tokenizer_name))
+        except (OSError, ValueError):
+            return None
+        return getattr(config.get_text_config(), "vocab_size", None)
+
+    def rejects_path(self) -> Path:
+        """``rejects_file``, else ``rejects.jsonl`` in the log directory (or the working directory)."""
+        if self.rejects_file:
+            return Path(self.rejects_file)
+        trainer = self.trainer
+        return Path((trainer.log_dir or trainer.default_root_dir) if trainer else ".") / "rejects.jsonl"
 
     def _collator(self) -> PadCollator:
         tokenizer = self.load_tokenizer()

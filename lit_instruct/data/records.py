@@ -7,13 +7,13 @@ Three on-disk formats are understood, detected per file or set explicitly:
 * chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
 
 Files are JSON Lines (one record per line) or a JSON array of records. Errors name the file, the
-1-based line (JSONL) or record index (JSON array), and the field.
+1-based line (JSONL) or record number (JSON array), and the field.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -90,6 +90,22 @@ def _chat_messages(raw: dict[str, Any], source: str) -> tuple[Message, ...]:
     return tuple(messages)
 
 
+def _check_conversation(messages: tuple[Message, ...], source: str) -> None:
+    for i, message in enumerate(messages):
+        if not message.content.strip():
+            raise DataError(
+                source, f"field 'messages[{i}].content' ({message.role}) is empty", "empty_content"
+            )
+    if messages[-1].role != "assistant":
+        last = len(messages) - 1
+        raise DataError(
+            source,
+            f"the conversation ends with a {messages[-1].role} turn (messages[{last}]); "
+            "the last turn must be the assistant's answer",
+            reason="no_final_answer",
+        )
+
+
 def to_record(raw: Any, source: str, fmt: RecordFormat = "auto") -> Record:
     """Turn one parsed JSON value into a :class:`Record`, checking its fields."""
     if not isinstance(raw, dict):
@@ -110,35 +126,74 @@ def to_record(raw: Any, source: str, fmt: RecordFormat = "auto") -> Record:
             Message("user", _string_field(raw, "prompt", source)),
             Message("assistant", _string_field(raw, "completion", source)),
         )
+    _check_conversation(messages, source)
     return Record(messages, source)
 
 
-def _iter_raw(path: Path) -> Iterator[tuple[Any, str]]:
-    """Yield ``(parsed value, location)`` for each record of a JSON or JSONL file."""
+@dataclass(frozen=True)
+class RawRecord:
+    """One record as read: its text, where it is, and its parsed value or why it could not be parsed."""
+
+    text: str
+    source: str
+    value: Any = None
+    error: DataError | None = None
+
+
+def iter_raw(path: Path) -> Iterator[RawRecord]:
+    """Each record of a JSON array file or of a JSON Lines file (blank lines in between are errors,
+    a truncated line is named as such)."""
     text = path.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if path.suffix == ".json" and stripped.startswith("["):
+    if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             values = json.loads(text)
-        except json.JSONDecodeError as err:
+        except json.JSONDecodeError as err:  # the whole file is unusable: always an error
             raise DataError(f"{path}:{err.lineno}", f"invalid JSON: {err.msg}", "invalid_json") from err
-        for index, value in enumerate(values):
-            yield value, f"{path}[record {index}]"
+        for index, value in enumerate(values, start=1):
+            yield RawRecord(json.dumps(value), f"{path}[record {index}]", value)
         return
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    lines = text.splitlines()
+    while lines and not lines[-1].strip():  # trailing empty lines end the file
+        lines.pop()
+    for lineno, line in enumerate(lines, start=1):
         source = f"{path}:{lineno}"
+        if not line.strip():
+            yield RawRecord(line, source, error=DataError(source, "blank line", "blank_line"))
+            continue
         try:
-            value = json.loads(line)
+            yield RawRecord(line, source, json.loads(line))
         except json.JSONDecodeError as err:
-            raise DataError(source, f"invalid JSON: {err.msg}", "invalid_json") from err
-        yield value, source
+            if err.pos >= len(line.rstrip()) or err.msg.startswith("Unterminated string"):
+                error = DataError(
+                    source, f"line is truncated: the JSON ends early ({err.msg})", "truncated_line"
+                )
+            else:
+                error = DataError(source, f"invalid JSON at column {err.colno}: {err.msg}", "invalid_json")
+            yield RawRecord(line, source, error=error)
 
 
-def read_records(path: str | Path, fmt: RecordFormat = "auto") -> list[Record]:
-    """Read every record of a ``.json``/``.jsonl`` file."""
+def read_records(
+    path: str | Path, fmt: RecordFormat = "auto", on_bad: Callable[[RawRecord, DataError], None] | None = None
+) -> list[Record]:
+    """Read every record of a ``.json``/``.jsonl`` file.
+
+    Args:
+        path: the file.
+        fmt: record format, or ``auto`` to tell it from each record's keys.
+        on_bad: called with each bad record and its error, which is then skipped; without it the
+            first bad record raises its :class:`DataError`.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
-    return [to_record(value, source, fmt) for value, source in _iter_raw(path)]
+    records = []
+    for raw in iter_raw(path):
+        try:
+            if raw.error is not None:
+                raise raw.error
+            records.append(to_record(raw.value, raw.source, fmt))
+        except DataError as error:
+            if on_bad is None:
+                raise
+            on_bad(raw, error)
+    return records

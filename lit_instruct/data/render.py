@@ -25,15 +25,27 @@ ALPACA_CHAT_TEMPLATE = (
     "{% else %}{{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
     "{% endfor %}"
 )
-"""The fallback prompt template (alpaca style) for tokenizers without a chat template."""
+"""The built-in alpaca-style prompt template (``chat_template: alpaca``), for tokenizers without one."""
 
 
 def resolve_chat_template(tokenizer: Any, override: str | None = None) -> str:
-    """The template that renders conversations: ``override``, else the tokenizer's, else alpaca.
+    """The template that renders conversations: ``override`` (a Jinja template, or ``"alpaca"`` for
+    :data:`ALPACA_CHAT_TEMPLATE`), else the tokenizer's own.
 
     Training and generation both call this, so a model is prompted the way it was trained.
+
+    Raises:
+        ValueError: when the tokenizer has no chat template and none is given.
     """
-    return override or tokenizer.chat_template or ALPACA_CHAT_TEMPLATE
+    if override == "alpaca":
+        return ALPACA_CHAT_TEMPLATE
+    template = override or tokenizer.chat_template
+    if not template:
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: set "
+            "data.chat_template to a Jinja chat template, or to 'alpaca' for the built-in alpaca prompt"
+        )
+    return template
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class Sample:
     labels: list[int]
     source: str
     truncated: bool = False
+    full_length: int = 0  # tokens before truncation
 
     @property
     def num_targets(self) -> int:
@@ -57,8 +70,8 @@ class ChatRenderer:
     Args:
         tokenizer: a fast ``transformers`` tokenizer (character offsets are needed).
         max_seq_len: samples are cut to this many tokens before masking is evaluated.
-        chat_template: overrides the tokenizer's template; used also when the tokenizer has none.
-            Falls back to :data:`ALPACA_CHAT_TEMPLATE`.
+        chat_template: overrides the tokenizer's template (needed when it has none); ``"alpaca"``
+            selects :data:`ALPACA_CHAT_TEMPLATE`.
     """
 
     def __init__(self, tokenizer: Any, max_seq_len: int, chat_template: str | None = None) -> None:
@@ -118,4 +131,4 @@ class ChatRenderer:
             for k in inside:
                 labels[k] = ids[k]
         truncated = len(ids) > self.max_seq_len
-        return Sample(ids[: self.max_seq_len], labels[: self.max_seq_len], record.source, truncated)
+        return Sample(ids[: self.max_seq_len], labels[: self.max_seq_len], record.source, truncated, len(ids))

@@ -1,0 +1,118 @@
+"""W&B offline runs, no secret in any file a run writes, best adapters, loss curves, the summary."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import yaml
+from peft import PeftModel
+from PIL import Image
+from transformers import AutoModelForCausalLM
+
+from lit_instruct.callbacks import AdapterCheckpoint
+from lit_instruct.cli import InstructCLI
+from lit_instruct.loggers import AutoWandbLogger
+from lit_instruct.secrets import redact
+from tests import wandb_reader
+
+SECRET = "wandb-dummy-secret-0123456789abcdef0123456789"
+
+
+def fit_config(tmp_path: Path, tiny_model_dir: Path, chat_file: Path) -> Path:
+    runs = str(tmp_path / "runs")
+    config = {
+        "seed_everything": 1,
+        "trainer": {
+            "accelerator": "cpu",
+            "max_steps": 4,
+            "val_check_interval": 2,
+            "check_val_every_n_epoch": None,
+            "num_sanity_val_steps": 0,
+            "log_every_n_steps": 1,
+            "enable_progress_bar": False,
+            "default_root_dir": runs,
+            "logger": [
+                {
+                    "class_path": "lightning.pytorch.loggers.CSVLogger",
+                    "init_args": {"save_dir": runs, "name": ""},
+                },
+                {"class_path": "lit_instruct.loggers.AutoWandbLogger", "init_args": {"save_dir": runs}},
+            ],
+            "callbacks": [
+                {
+                    "class_path": "lit_instruct.callbacks.AdapterCheckpoint",
+                    "init_args": {"monitor": "val/loss"},
+                },
+                {"class_path": "lit_instruct.callbacks.LossCurves"},
+            ],
+        },
+        "model": {"model": str(tiny_model_dir), "lora": {"r": 4, "alpha": 8}, "learning_rate": 1e-2},
+        "data": {"train_files": [str(chat_file)], "val_files": [str(chat_file)], "batch_size": 2},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_offline_wandb_run_without_secrets_with_best_adapter_and_curves(
+    tiny_model_dir, chat_file, tmp_path, monkeypatch, caplog
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    config = fit_config(tmp_path, tiny_model_dir, chat_file)
+    cli = InstructCLI(args=["fit", "--config", str(config)])
+    cli.trainer.loggers[1].experiment.finish()
+
+    runs = tmp_path / "runs"
+    (run_file,) = runs.glob("wandb/offline-run-*/run-*.wandb")
+    rows = wandb_reader.history(run_file)
+    train = [row["train/loss"] for row in rows if "train/loss" in row]
+    val = [row["val/loss"] for row in rows if "val/loss" in row]
+    assert len(train) == 4 and all(math.isfinite(x) for x in train)
+    assert len(val) == 3  # before fit, and at steps 2 and 4
+    assert {row["trainer/global_step"] for row in rows if "train/lr" in row} == {0, 1, 2, 3}
+    logged_config = wandb_reader.config(run_file)["config"]
+    assert logged_config["model"]["lora"]["r"] == 4 and logged_config["trainer"]["max_steps"] == 4
+
+    for path in runs.rglob("*"):  # the run folder, the CSV log dir, checkpoints, adapters
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes(), path
+
+    best = Path(cli.trainer.checkpoint_callback.best_model_path)
+    adapter = AdapterCheckpoint.adapter_dir(best)
+    assert best.is_file() and adapter.name == best.stem + "-adapter"
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
+    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0
+
+    with Image.open(runs / "version_0" / "loss_curves.png") as image:
+        assert image.format == "PNG"
+        image.verify()
+    summary = "\n".join(r.getMessage() for r in caplog.records if "fit done" in r.getMessage())
+    assert "4 optimizer steps" in summary and str(adapter) in summary and "lit-instruct generate" in summary
+
+
+def test_wandb_is_offline_without_credentials_and_online_with_them(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    assert AutoWandbLogger(save_dir=str(tmp_path))._offline is True
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    assert AutoWandbLogger(save_dir=str(tmp_path))._offline is False
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert AutoWandbLogger(save_dir=str(tmp_path))._offline is True
+
+
+def test_redact_secret_fields_and_secret_environment_values(monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    config = {
+        "hub": {"api_key": "abc", "token": "xyz"},
+        "notes": f"run with {SECRET}",
+        "lr": 0.1,
+        "r": [SECRET],
+    }
+    assert redact(config) == {
+        "hub": {"api_key": "<redacted>", "token": "<redacted>"},
+        "notes": "run with <redacted>",
+        "lr": 0.1,
+        "r": ["<redacted>"],
+    }
