@@ -2,6 +2,7 @@
 
 from lit_instruct.callbacks.adapter_checkpoint import AdapterCheckpoint
 from lit_instruct.callbacks.generation_preview import GenerationPreview
+from lit_instruct.callbacks.interrupt import GracefulInterrupt
 from lit_instruct.callbacks.layer_profiler import LayerProfiler
 from lit_instruct.callbacks.loss_curves import LossCurves
 from lit_instruct.callbacks.nonfinite import NonFiniteTrainingError, SkipNonFiniteSteps
@@ -9,6 +10,7 @@ from lit_instruct.callbacks.nonfinite import NonFiniteTrainingError, SkipNonFini
 __all__ = [
     "AdapterCheckpoint",
     "GenerationPreview",
+    "GracefulInterrupt",
     "LayerProfiler",
     "LossCurves",
     "NonFiniteTrainingError",

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lit_instruct.callbacks.figures import log_image, pyplot
+from lit_instruct.callbacks.shared import log_image, pyplot
 
 PHASES = ("forward", "loss", "lm_head_backward", "layer_backward", "optimizer", "step")
 """Step phases: decoder trunk forward; loss (with a fused loss, its in-forward lm_head backward too);

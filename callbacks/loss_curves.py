@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lit_instruct.callbacks.figures import log_image, pyplot
+from lit_instruct.callbacks.shared import log_image, pyplot
 
 
 class LossCurves(L.Callback):

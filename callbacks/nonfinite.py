@@ -10,13 +10,14 @@ Example::
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
+
+from lit_instruct.callbacks.shared import checkpoint_dir
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -105,11 +106,7 @@ class SkipNonFiniteSteps(L.Callback):
             self._abort(trainer)
 
     def _abort(self, trainer: L.Trainer) -> None:
-        if trainer.checkpoint_callback is not None and trainer.checkpoint_callback.dirpath:
-            directory = Path(trainer.checkpoint_callback.dirpath)
-        else:
-            directory = Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
-        path = directory / f"nonfinite-stop-step={trainer.global_step}.ckpt"
+        path = checkpoint_dir(trainer) / f"nonfinite-stop-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(path)  # collective under DDP: every rank reaches this together
         raise NonFiniteTrainingError(
             f"{self.consecutive} optimizer steps in a row had a non-finite loss or gradient (up to step "

@@ -9,8 +9,11 @@ from typing import Any
 import lightning as L
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_instruct.callbacks import GracefulInterrupt
+from lit_instruct.checkpoint_io import SafeCheckpointIO
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.module import InstructLoRAModule
 from lit_instruct.secrets import redact
@@ -73,6 +76,17 @@ class InstructCLI(LightningCLI):
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )
 
+    def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
+        """The configured Trainer, saving checkpoints atomically and loading them ``weights_only``
+        (:class:`SafeCheckpointIO`, unless another checkpoint IO is configured), and stopping
+        gracefully on Ctrl-C (:class:`GracefulInterrupt`)."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = SafeCheckpointIO()
+        if not any(isinstance(callback, GracefulInterrupt) for callback in trainer.callbacks):
+            trainer.callbacks.insert(0, GracefulInterrupt())
+        return trainer
+
     def _val(self) -> dict[str, float]:
         return _val_metrics(self.trainer.validate(self.model, datamodule=self.datamodule, verbose=False))
 
@@ -82,6 +96,9 @@ class InstructCLI(LightningCLI):
             self.before = self._val()
 
     def after_fit(self) -> None:
+        interrupt = next(cb for cb in self.trainer.callbacks if isinstance(cb, GracefulInterrupt))
+        if interrupt.interrupted:
+            raise SystemExit(130)  # the checkpoint and the adapter are saved; say it was interrupted
         if self.trainer.interrupted or not self.before:
             return
         if self.model.last_val_step != self.trainer.global_step:

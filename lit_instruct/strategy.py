@@ -20,7 +20,7 @@ class FusedCEMixin:
     """Installs :class:`FusedLinearCrossEntropy` as ``lightning_module.loss_fn`` at setup.
 
     Args:
-        chunk_size: token rows per chunk (default: a 256 MiB fp32 logits workspace).
+        chunk_size: token rows per chunk (default: a 512 MiB fp32 logits workspace).
         backend: ``auto`` (triton on CUDA when installed, else torch), ``torch`` or ``triton``.
     """
 

@@ -66,12 +66,18 @@ def test_fused_equals_reference_and_plain_cross_entropy(n, h, v, ignored, chunk,
             torch.testing.assert_close(a, b, **TOLERANCES[dtype])
 
 
-def test_frozen_weight_gets_no_gradient_and_no_grad_mode_works() -> None:
-    hidden, weight, labels = make_case(20, 8, 50, 0.3, torch.float32, seed=1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_frozen_weight_gets_no_gradient_and_no_grad_mode_works(dtype) -> None:
+    hidden, weight, labels = make_case(70, 8, 50, 0.3, dtype, seed=1)
+    hidden[:10] *= 8  # confident, correct predictions: softmax - one_hot is tiny there
+    labels[:10] = (hidden[:10].float() @ weight.float().T).argmax(dim=1)
     hidden.requires_grad_()
     loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=7)
     loss.backward()
-    assert weight.grad is None and hidden.grad is not None
+    assert weight.grad is None
+    expected = hidden.detach().clone().requires_grad_()
+    reference_linear_cross_entropy(expected, weight, labels).backward()
+    torch.testing.assert_close(hidden.grad.float(), expected.grad.float(), **TOLERANCES[dtype])
     with torch.no_grad():
         torch.testing.assert_close(
             fused_linear_cross_entropy(hidden, weight, labels),

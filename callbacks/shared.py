@@ -1,4 +1,4 @@
-"""Shared by the callbacks that draw: a headless pyplot, and images to W&B."""
+"""Helpers shared by the callbacks: a headless pyplot, images to W&B, where checkpoints go."""
 
 from __future__ import annotations
 
@@ -24,3 +24,11 @@ def log_image(trainer: L.Trainer, key: str, path: Path) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             logger.log_image(key, [str(path)])
+
+
+def checkpoint_dir(trainer: L.Trainer) -> Path:
+    """The ``ModelCheckpoint`` folder, else ``<log dir>/checkpoints`` (call it on every rank)."""
+    callback = trainer.checkpoint_callback
+    if callback is not None and callback.dirpath:
+        return Path(callback.dirpath)
+    return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"

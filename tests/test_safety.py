@@ -1,0 +1,133 @@
+"""Nothing lost, nothing untrusted executed: atomic writes, weights_only loads, graceful Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from lit_instruct.checkpoint_io import SafeCheckpointIO
+from lit_instruct.cli import InstructCLI
+from lit_instruct.export import save_adapter
+from tests.test_module import make, trainer
+
+
+class Payload:
+    """Unpickling this would run code: it touches a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_payload_checkpoint_is_refused_without_running_it(
+    tiny_model_dir, chat_file, tmp_path
+) -> None:
+    marker, evil = tmp_path / "pwned", tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": Payload(marker)}, evil)
+    module, data = make(tiny_model_dir, chat_file)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        trainer(tmp_path, plugins=[SafeCheckpointIO()]).fit(module, datamodule=data, ckpt_path=evil)
+    with pytest.raises(ValueError, match="weights_only=True only"):
+        SafeCheckpointIO().load_checkpoint(evil, weights_only=False)
+    assert not marker.exists()
+
+
+def test_the_cli_trainer_uses_the_safe_checkpoint_io(tiny_model_dir, chat_file) -> None:
+    args = ["--model.model", str(tiny_model_dir), "--data.train_files", f"[{chat_file}]"]
+    cli = InstructCLI(args=args, run=False)
+    assert isinstance(cli.trainer.strategy.checkpoint_io, SafeCheckpointIO)
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_file(tmp_path, monkeypatch) -> None:
+    io, path = SafeCheckpointIO(), tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": torch.tensor(1)}, path)
+
+    def broken_save(obj, f) -> None:
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        io.save_checkpoint({"step": torch.tensor(2)}, path)
+    monkeypatch.undo()
+    assert io.load_checkpoint(path)["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no temporary file left
+
+
+def test_a_failed_adapter_save_leaves_the_previous_adapter(
+    tiny_model_dir, chat_file, tmp_path, monkeypatch
+) -> None:
+    module, _ = make(tiny_model_dir, chat_file)
+    target = save_adapter(module.model, tmp_path / "out" / "adapter")
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    torch.nn.init.normal_(next(p for n, p in module.model.named_parameters() if "lora_B" in n))
+
+    def broken_save_pretrained(self, directory, **kwargs) -> None:
+        (Path(directory) / "adapter_model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("killed mid-write")
+
+    monkeypatch.setattr(PeftModel, "save_pretrained", broken_save_pretrained)
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        save_adapter(module.model, target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(p.name for p in target.parent.iterdir()) == ["adapter"]  # no staging folder left
+
+    monkeypatch.undo()
+    with torch.no_grad():
+        next(p for n, p in module.model.named_parameters() if "lora_B" in n)[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="contains NaN or Inf; refusing to write it"):
+        save_adapter(module.model, target)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+def test_ctrl_c_during_fit_saves_a_loadable_checkpoint_and_the_adapter(
+    tiny_model_dir, chat_file, tmp_path
+) -> None:
+    config = {
+        "trainer": {
+            "accelerator": "cpu",
+            "max_steps": 100_000,
+            "limit_val_batches": 0,
+            "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path / "runs"),
+            "logger": False,
+        },
+        "model": {
+            "model": str(tiny_model_dir),
+            "lora": {"r": 4, "alpha": 8},
+            "adapter_dir": str(tmp_path / "adapter"),
+        },
+        "data": {"train_files": [str(chat_file)], "batch_size": 2},
+        "validate_before_fit": False,
+    }
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "lit_instruct", "fit", "--config", str(tmp_path / "c.yaml")]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in process.stderr:  # training starts right after the module reports its parameters
+        if "trainable of" in line:
+            break
+    time.sleep(3)
+    process.send_signal(signal.SIGINT)
+    _, rest = process.communicate(timeout=120)
+    assert process.returncode == 130, rest[-3000:]
+
+    (checkpoint,) = (tmp_path / "runs" / "checkpoints").glob("interrupted-step=*.ckpt")
+    state = SafeCheckpointIO().load_checkpoint(checkpoint)
+    assert state["global_step"] > 0 and f"interrupted at step {state['global_step']}" in rest
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    adapter = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    for name, value in state["state_dict"].items():  # the adapter is the checkpoint's weights
+        key = name.removeprefix("model.").replace(".default.weight", ".weight")
+        assert torch.equal(adapter.state_dict()[key.replace(".weight", ".default.weight")], value)
