@@ -72,3 +72,13 @@ def chat_file(tmp_path: Path) -> Path:
     rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in CHATS]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+@pytest.fixture(autouse=True)
+def _finish_wandb_runs():
+    """A W&B run left open by one test would be reused by the next one's logger: close it."""
+    yield
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()

@@ -58,6 +58,11 @@ def test_prepare_is_idempotent_and_prints_the_folder(smollm2_path: Path) -> None
 
 @pytest.mark.e2e
 def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_path: Path, caplog) -> None:
+    quickstart = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    for logger in quickstart["trainer"]["logger"]:
+        logger["init_args"]["save_dir"] = str(tmp_path)
+    loggers = tmp_path / "loggers.yaml"
+    loggers.write_text(yaml.safe_dump({"trainer": {"logger": quickstart["trainer"]["logger"]}}))
     args = [
         "fit",
         "--config",
@@ -70,8 +75,8 @@ def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_
         "1",
         "--trainer.default_root_dir",
         str(tmp_path),
-        "--trainer.logger.init_args.save_dir",
-        str(tmp_path),
+        "--config",
+        str(loggers),
         "--trainer.enable_progress_bar",
         "false",
         "--data.chatterbot_categories",
@@ -89,5 +94,7 @@ def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_
         r.getMessage() for r in caplog.records if "val/loss" in r.getMessage() and "->" in r.getMessage()
     ]
     assert len(summary) == 1 and "after 2 steps" in summary[0]
-    adapters = list(tmp_path.rglob("adapter_model.safetensors"))
-    assert len(adapters) == 1
+    adapters = sorted(p.parent.relative_to(tmp_path) for p in tmp_path.rglob("adapter_model.safetensors"))
+    assert adapters == [Path("version_0/adapter"), Path("version_0/checkpoints/epoch=0-step=2-adapter")]
+    assert (tmp_path / "version_0" / "loss_curves.png").is_file()
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
