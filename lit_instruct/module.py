@@ -26,6 +26,7 @@ from lit_instruct.model import (
     load_base_model,
     parameter_bytes,
 )
+from lit_instruct.packing import ATTENTION
 from lit_instruct.rng import gather_rng_states, restore_rng_states
 from lit_instruct.summary import FitTotals, fit_summary
 
@@ -123,10 +124,24 @@ class InstructLoRAModule(L.LightningModule):
         if getattr(self.base_model.config, "final_logit_softcapping", None):
             raise ValueError("models with final_logit_softcapping are not supported by the hidden-state loss")
 
-    def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Final (normed) hidden states of the decoder trunk, ``(B, T, H)``."""
+    def hidden_states(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Final (normed) hidden states of the decoder trunk, ``(B, T, H)``.
+
+        A packed batch (:class:`~lit_instruct.packing.PackCollator`) has no attention mask but
+        position ids and sample boundaries; its attention then runs sample by sample.
+        """
         decoder = self.base_model.get_decoder()
-        out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        packed = {}
+        if "packed_segments" in batch:
+            if self.base_model.config._attn_implementation != ATTENTION:
+                self.base_model.set_attn_implementation(ATTENTION)
+            packed = {"position_ids": batch["position_ids"], "packed_segments": batch["packed_segments"]}
+        out = decoder(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            use_cache=False,
+            **packed,
+        )
         return out.last_hidden_state
 
     def loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -143,7 +158,9 @@ class InstructLoRAModule(L.LightningModule):
         loss_sum, count = self.loss_sum_and_count(batch)
         self._window_loss = self._window_loss + loss_sum.detach().float()
         self._window_count += count
-        tokens = int(batch["attention_mask"].sum())
+        tokens = (
+            int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+        )
         self._window_tokens += tokens
         self._batch_tokens = tokens
         return loss_sum

@@ -18,6 +18,7 @@ from lit_instruct.data.records import Message, Record, RecordFormat, read_record
 from lit_instruct.data.render import ChatRenderer, Sample
 from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects, build_samples
+from lit_instruct.packing import PackCollator
 
 
 def drop_duplicates(records: list[Record], counts: Counter[str]) -> list[Record]:
@@ -65,6 +66,8 @@ class InstructDataModule(L.LightningDataModule):
             dropped), ``drop`` them, or ``raise``; counts are reported at setup either way.
         rejects_file: where skipped records go, one JSON line each with its location and reason
             (default: ``rejects.jsonl`` in the log directory).
+        packing: put each batch's samples in one row without padding (position ids restart per
+            sample, attention stays inside each sample): no FLOP is spent on padding.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class InstructDataModule(L.LightningDataModule):
         on_bad_record: BadRecordPolicy = "raise",
         on_long_sample: LongSamplePolicy = "truncate",
         rejects_file: str | None = None,
+        packing: bool = False,
     ) -> None:
         super().__init__()
         if not (train_files or chatterbot_categories):
@@ -114,6 +118,7 @@ class InstructDataModule(L.LightningDataModule):
         self.on_long_sample = on_long_sample
         self.rejects_file = rejects_file
         self.rejects = Rejects(on_bad_record)
+        self.packing = packing
         self.tokenizer: Any = None
         self.train_samples: list[Sample] = []
         self.val_samples: list[Sample] = []
@@ -202,7 +207,9 @@ class InstructDataModule(L.LightningDataModule):
         trainer = self.trainer
         return Path((trainer.log_dir or trainer.default_root_dir) if trainer else ".") / "rejects.jsonl"
 
-    def _collator(self) -> PadCollator:
+    def _collator(self) -> PadCollator | PackCollator:
+        if self.packing:
+            return PackCollator()
         tokenizer = self.load_tokenizer()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return PadCollator(pad_id, self.pad_to_multiple_of)

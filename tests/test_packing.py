@@ -1,0 +1,50 @@
+"""Padding-free packing: exact rows, attention that stays inside each sample, same training."""
+
+from __future__ import annotations
+
+import torch
+
+from lit_instruct.data.render import IGNORE_INDEX, Sample
+from lit_instruct.packing import PackCollator
+from tests.faults import Recorder
+from tests.test_module import make, trainer
+from tests.test_normalization import GradCapture
+
+
+def test_pack_collator_builds_one_row_with_restarting_positions() -> None:
+    samples = [Sample([1, 2, 3], [IGNORE_INDEX, 2, 3], "a"), Sample([4, 5], [4, 5], "b")]
+    batch = PackCollator()(samples)
+    assert torch.equal(batch["input_ids"], torch.tensor([[1, 2, 3, 4, 5]]))
+    assert torch.equal(batch["labels"], torch.tensor([[IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5]]))
+    assert torch.equal(batch["position_ids"], torch.tensor([[0, 1, 2, 0, 1]]))
+    assert batch["packed_segments"] == (0, 3, 5)
+
+
+def test_packed_hidden_states_equal_each_sample_alone(tiny_model_dir, chat_file) -> None:
+    module, data = make(tiny_model_dir, chat_file)
+    data.setup("fit")
+    samples = data.train_samples[:4]
+    module.eval()
+    with torch.no_grad():
+        packed = module.hidden_states(PackCollator()(samples))[0]
+        alone = [module.hidden_states({"input_ids": torch.tensor([s.input_ids])})[0] for s in samples]
+    torch.testing.assert_close(packed, torch.cat(alone), atol=1e-5, rtol=0)
+
+
+def test_packed_training_equals_padded_training(tiny_model_dir, chat_file, tmp_path) -> None:
+    runs = {}
+    for packing in (False, True):
+        module, data = make(tiny_model_dir, chat_file, GradCapture, batch_size=3, warmup_steps=0)
+        data.packing = packing
+        recorder = Recorder()
+        run = trainer(tmp_path, max_steps=4, limit_val_batches=0, callbacks=[recorder])
+        run.fit(module, datamodule=data)
+        runs[packing] = (module.captured, recorder.losses, module.trainable_state_dict(), module.tokens_seen)
+    (padded_grads, padded_losses, padded_weights, padded_tokens) = runs[False]
+    (packed_grads, packed_losses, packed_weights, packed_tokens) = runs[True]
+    torch.testing.assert_close(torch.tensor(packed_losses), torch.tensor(padded_losses), atol=1e-5, rtol=0)
+    for name, grad in padded_grads.items():  # the last step's gradients
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=0)
+    for name, weight in padded_weights.items():
+        torch.testing.assert_close(packed_weights[name], weight, atol=1e-5, rtol=0)
+    assert packed_tokens == padded_tokens  # padding is never counted as a token
