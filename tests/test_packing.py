@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lit_instruct.data.render import IGNORE_INDEX, Sample
@@ -48,3 +49,17 @@ def test_packed_training_equals_padded_training(tiny_model_dir, chat_file, tmp_p
     for name, weight in padded_weights.items():
         torch.testing.assert_close(packed_weights[name], weight, atol=1e-5, rtol=0)
     assert packed_tokens == padded_tokens  # padding is never counted as a token
+
+
+@pytest.mark.parametrize("option", ["gradient_checkpointing", "compile_layers"])
+def test_speed_and_memory_options_give_the_same_gradients(
+    tiny_model_dir, chat_file, tmp_path, option
+) -> None:
+    grads = {}
+    for enabled in (False, True):
+        module, data = make(tiny_model_dir, chat_file, GradCapture, **{option: enabled})
+        data.packing = True
+        trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, datamodule=data)
+        grads[enabled] = module.captured
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,304 @@
+"""lit-instruct vs TRL's SFTTrainer on identical LoRA work: tokens/s, peak memory, loss.
+
+Both train SmolLM2-135M-Instruct in fp32 (TRL's bf16 and gradient-checkpointing defaults turned
+off, its fastest settings here) with LoRA r=16 on all linear layers, completion-only loss,
+batch 4, max length 512, constant LR 2e-4, AdamW, gradient clipping at 1.0, on the same instruction
+data (~80-token prompts, ~100-token answers, built from the chatterbot corpus) in the same order,
+for the same number of optimizer steps. Each run is its own process; the two alternate for
+``--rounds`` rounds and the best round of each is reported. Steady state: after ``--warmup`` steps.
+lit-instruct runs as shipped for speed: fused CE (``fused_ce``) and padding-free packing.
+
+    pip install 'lit-instruct[bench]'          # trl, datasets
+    python benchmarks/vs_trl.py                # 20 steps, 2 rounds (about 10 min on 2 cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+BATCH, MAX_LENGTH, LR, SEED = 4, 512, 2e-4, 0
+
+
+def instruction_records(
+    count: int, tokenizer, prompt_tokens: int = 80, answer_tokens: int = 100
+) -> list[dict]:
+    """Prompt/completion records cut from the chatterbot corpus's utterances to about the given lengths."""
+    from lit_instruct.data.chatterbot import read_chatterbot
+
+    texts = [m.content for r in read_chatterbot() for m in r.messages]
+    records, at = [], 0
+
+    def take(budget: int) -> str:
+        nonlocal at
+        words: list[str] = []
+        while len(tokenizer(" ".join(words))["input_ids"]) < budget:
+            words += texts[at % len(texts)].split()
+            at += 1
+        return " ".join(words)
+
+    for _ in range(count):
+        records.append({"prompt": take(prompt_tokens), "completion": take(answer_tokens)})
+    return records
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_ours(data: Path, steps: int) -> dict:
+    import lightning as L
+
+    from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
+
+    class StepClock(L.Callback):
+        def __init__(self) -> None:
+            self.rows: list[tuple[float, int, int, float]] = []  # (seconds, tokens, response tokens, loss)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.start = time.perf_counter()
+            self.tokens = batch["input_ids"].numel()
+            self.response = int((batch["labels"][:, 1:] != -100).sum())
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            loss = float(trainer.callback_metrics["train/loss"])
+            self.rows.append((time.perf_counter() - self.start, self.tokens, self.response, loss))
+
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as tmp:
+        L.seed_everything(SEED)
+        lora = LoRAConfig(r=16, alpha=32, dropout=0.0, target_modules="all-linear")
+        module = InstructLoRAModule(
+            lora=lora, learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, adapter_dir=f"{tmp}/adapter"
+        )
+        datamodule = InstructDataModule(
+            train_files=[str(data)],
+            max_seq_len=MAX_LENGTH,
+            batch_size=BATCH,
+            val_fraction=0.0,
+            deduplicate=False,
+            packing=True,
+            seed=SEED,
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            strategy="fused_ce",
+            max_steps=steps,
+            gradient_clip_val=1.0,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=tmp,
+            callbacks=[clock],
+        )
+        trainer.fit(module, datamodule=datamodule)
+    return {"steps": clock.rows, "peak_rss_mb": peak_rss_mb()}
+
+
+def run_trl(data: Path, steps: int, order: list[int]) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from lit_instruct.models import prepare_smollm2
+
+    path = prepare_smollm2()
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    conversations = [
+        {
+            "prompt": [{"role": "user", "content": rows[i]["prompt"]}],
+            "completion": [{"role": "assistant", "content": rows[i]["completion"]}],
+        }
+        for i in order
+    ]
+
+    class InOrder(SFTTrainer):  # lit-instruct's order, so both see the same batches
+        def _get_train_sampler(self, train_dataset=None):
+            return SequentialSampler(train_dataset or self.train_dataset)
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
+
+    counted: list[tuple[int, int]] = []
+
+    def counting(collator):
+        def collate(examples):
+            batch = collator(examples)
+            counted.append((int(batch["attention_mask"].sum()), int((batch["labels"][:, 1:] != -100).sum())))
+            return batch
+
+        return collate
+
+    torch.manual_seed(SEED)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as tmp:
+        config = SFTConfig(
+            output_dir=tmp,
+            per_device_train_batch_size=BATCH,
+            max_length=MAX_LENGTH,
+            max_steps=steps,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=1.0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            bf16=False,  # fp32 like ours (TRL defaults to bf16, emulated and slow on CPUs without it)
+            gradient_checkpointing=False,  # TRL's default is on: off is its faster setting
+            seed=SEED,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
+        peft = LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        )
+        trainer = InOrder(
+            model=model,
+            args=config,
+            train_dataset=Dataset.from_list(conversations),
+            processing_class=tokenizer,
+            peft_config=peft,
+            callbacks=[clock],
+        )
+        trainer.data_collator = counting(trainer.data_collator)
+        trainer.train()
+    rows = [
+        (t, *counted[k], loss) for k, (t, loss) in enumerate(zip(clock.times, clock.losses, strict=False))
+    ]
+    return {"steps": rows, "peak_rss_mb": peak_rss_mb()}
+
+
+def flops_per_token(config) -> float:
+    """Frozen-base LoRA training, per token: forward 2P and input-gradient backward 2P over the
+    linear layers and the lm_head (no weight gradients for the base; the adapters' are negligible),
+    plus causal attention at the data's mean context."""
+    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    kv = h * config.num_key_value_heads // config.num_attention_heads
+    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * config.vocab_size
+    attention = layers * 4 * h * 100  # QK^T and AV over ~100 earlier positions on average
+    return 4 * linear + 2 * attention
+
+
+def sgemm_gflops() -> float:
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    start, repeats = time.perf_counter(), 10
+    for _ in range(repeats):
+        a @ b
+    return 2 * 2048**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def summarize(result: dict, warmup: int) -> dict:
+    rows = result["steps"][warmup:]
+    seconds = sum(r[0] for r in rows)
+    return {
+        "tokens_per_s": sum(r[1] for r in rows) / seconds,
+        "response_tokens_per_s": sum(r[2] for r in rows) / seconds,
+        "peak_rss_mb": result["peak_rss_mb"],
+        "losses": [r[3] for r in result["steps"]],
+    }
+
+
+def main() -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/vs_trl.json"))
+    parser.add_argument("--worker", nargs=3, metavar=("WHICH", "DATA", "STEPS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        which, data, steps = args.worker
+        data = Path(data)
+        if which == "ours":
+            print(json.dumps(run_ours(data, int(steps))))
+        else:
+            order = json.loads(data.with_suffix(".order.json").read_text())
+            print(json.dumps(run_trl(data, int(steps), order)))
+        return
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from lit_instruct.data.sampler import InstructSampler
+    from lit_instruct.models import prepare_smollm2
+
+    path = prepare_smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "instructions.jsonl"
+        records = instruction_records(args.steps * BATCH, tokenizer)
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+        order = InstructSampler([1] * len(records), BATCH, seed=SEED).rank_order(0)
+        data.with_suffix(".order.json").write_text(json.dumps(order))
+        runs: dict[str, list[dict]] = {"trl": [], "ours": []}
+        for _ in range(args.rounds):
+            for which in runs:
+                cmd = [sys.executable, __file__, "--worker", which, str(data), str(args.steps)]
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
+                if out.returncode:
+                    sys.exit(f"{which} failed:\n{out.stderr[-4000:]}")
+                runs[which].append(summarize(json.loads(out.stdout.strip().splitlines()[-1]), args.warmup))
+
+    best = {which: max(rs, key=lambda r: r["tokens_per_s"]) for which, rs in runs.items()}
+    gflops, per_token = sgemm_gflops(), flops_per_token(AutoConfig.from_pretrained(path))
+    limit = gflops * 1e9 / per_token
+    print(
+        f"sgemm {gflops:.0f} GFLOP/s; LoRA training {per_token / 1e6:.0f} MFLOP/token "
+        f"-> FLOP limit {limit:.0f} tokens/s"
+    )
+    print(f"{'':>6} {'tokens/s':>9} {'resp tok/s':>10} {'peak RSS MB':>11} {'FLOP-limit share':>16}")
+    for which, r in best.items():
+        share = r["tokens_per_s"] / limit
+        print(
+            f"{which:>6} {r['tokens_per_s']:>9.1f} {r['response_tokens_per_s']:>10.1f} "
+            f"{r['peak_rss_mb']:>11.0f} {share:>16.1%}"
+        )
+    ours, trl = best["ours"], best["trl"]
+    print(
+        f"ours / TRL: {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x tokens/s, "
+        f"{ours['response_tokens_per_s'] / trl['response_tokens_per_s']:.2f}x response tokens/s, "
+        f"{ours['peak_rss_mb'] / trl['peak_rss_mb']:.2f}x peak RSS"
+    )
+    print("loss per step (ours | TRL):")
+    for step, (a, b) in enumerate(zip(ours["losses"], trl["losses"], strict=False)):
+        print(f"  {step:>3} {a:.4f} | {b:.4f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(
+        json.dumps({"runs": runs, "sgemm_gflops": gflops, "flops_per_token": per_token}, indent=2)
+    )
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
