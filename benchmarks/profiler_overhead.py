@@ -48,7 +48,14 @@ def worker(every_n_steps: int | None, steps: int) -> list[float]:
             callbacks.append(LayerProfiler(every_n_steps=every_n_steps, output_dir=tmp))
         args = ["fit", "--config", "configs/quickstart.yaml", "--validate_before_fit", "false"]
         args += ["--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0"]
-        args += ["--trainer.logger", "false", "--trainer.enable_checkpointing", "false"]
+        args += [
+            "--trainer.logger",
+            "false",
+            "--trainer.callbacks",
+            "[]",
+            "--trainer.enable_checkpointing",
+            "false",
+        ]
         args += ["--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", tmp]
         args += ["--model.adapter_dir", f"{tmp}/adapter"]
         InstructCLI(args=args, trainer_defaults={"callbacks": callbacks})
