@@ -30,7 +30,7 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path) -> str:
     lines = [
         f"lit-instruct: fit done in {_duration(totals.seconds)}: {trainer.global_step} optimizer steps, "
         f"{totals.tokens:,} tokens ({totals.response_tokens:,} response tokens) "
-        f"at {totals.tokens / max(totals.seconds, 1e-9):.0f} tokens/s"
+        f"({totals.tokens / max(totals.seconds, 1e-9):.0f} tokens/s over the whole fit)"
     ]
     skipped = [
         cb.skipped for cb in trainer.callbacks if hasattr(cb, "skipped") and hasattr(cb, "consecutive")
