@@ -3,9 +3,8 @@
     python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
 
 Lightning's ``ddp`` launcher starts rank 1 by running this script again. Rank 0 writes
-``<out>/last.ckpt``; each rank writes
-``<out>/rank<r>.pt``: its LoRA weights and logged ``train/loss`` after every step, and the
-SkipNonFiniteSteps counters.
+``<out>/last.ckpt``; each rank writes ``<out>/rank<r>.pt``: its LoRA weights and logged
+``train/loss`` after every step, and the SkipNonFiniteSteps counters.
 """
 
 from __future__ import annotations
