@@ -50,8 +50,8 @@ class InstructDataModule(L.LightningDataModule):
         split_seed: seed of that split, independent of the training seed.
         batch_size: samples per training micro-batch.
         eval_batch_size: samples per validation batch (defaults to ``batch_size``).
-        chat_template: Jinja chat template overriding the tokenizer's (also used when it has none;
-            default then: an alpaca prompt template).
+        chat_template: Jinja chat template overriding the tokenizer's (required when it has none),
+            or ``alpaca`` for the built-in alpaca prompt template.
         pad_to_multiple_of: round padded batch lengths up to a multiple of this.
         num_workers: validation DataLoader worker processes (training batches are built in the main
             process: the samples are tokenized already).

@@ -55,8 +55,12 @@ class Sample:
     input_ids: list[int]
     labels: list[int]
     source: str
-    truncated: bool = False
     full_length: int = 0  # tokens before truncation
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the rendered conversation was longer than the sample kept."""
+        return self.full_length > len(self.input_ids)
 
     @property
     def num_targets(self) -> int:
@@ -130,5 +134,4 @@ class ChatRenderer:
                 inside = [k for k in inside if k <= specials[-1]]
             for k in inside:
                 labels[k] = ids[k]
-        truncated = len(ids) > self.max_seq_len
-        return Sample(ids[: self.max_seq_len], labels[: self.max_seq_len], record.source, truncated, len(ids))
+        return Sample(ids[: self.max_seq_len], labels[: self.max_seq_len], record.source, len(ids))
