@@ -32,11 +32,11 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path) -> str:
         f"{totals.tokens:,} tokens ({totals.response_tokens:,} response tokens) "
         f"({totals.tokens / max(totals.seconds, 1e-9):.0f} tokens/s over the whole fit)"
     ]
-    skipped = [
-        cb.skipped for cb in trainer.callbacks if hasattr(cb, "skipped") and hasattr(cb, "consecutive")
-    ]
-    if skipped and skipped[0]:
-        lines.append(f"  skipped steps (non-finite): {skipped[0]}")
+    from lit_instruct.callbacks import SkipNonFiniteSteps
+
+    skipped = sum(cb.skipped for cb in trainer.callbacks if isinstance(cb, SkipNonFiniteSteps))
+    if skipped:
+        lines.append(f"  skipped steps (non-finite): {skipped}")
     checkpoint = trainer.checkpoint_callback
     if checkpoint is not None and checkpoint.monitor == "val/loss" and checkpoint.best_model_path:
         best = f"  best val/loss {float(checkpoint.best_model_score):.4f}: {checkpoint.best_model_path}"
