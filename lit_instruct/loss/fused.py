@@ -70,22 +70,24 @@ def _chunk_torch(
     logits.sub_(logits.amax(dim=0, keepdim=True))
     shifted_target = logits[yc, cols]  # (c,)
     total = logits.exp_().sum(dim=0)  # (c,): logits now holds exp(z - max)
+    loss = (total.log() - shifted_target).sum()
     inverse = total.reciprocal()
-    fp32_hidden_grad = grad_hc is not None and weight.dtype == torch.float32
-    if fp32_hidden_grad:
+    if grad_hc is not None and weight.dtype == torch.float32:
         # (softmax - one_hot) @ W = (exp @ W) / total - W[y]: normalizing the small (H, c) product
         # instead of the (V, c) chunk saves a full pass over the logits. (In fp32 only: in bf16 the
         # subtraction would cancel catastrophically for confident predictions.)
         product = weight.T @ logits  # (H, c)
         grad_hc.copy_(product.mul_(inverse).sub_(weight[yc].T).T)
-    if grad_w is not None or (grad_hc is not None and not fp32_hidden_grad):
-        logits.mul_(inverse)  # softmax
-        logits[yc, cols] -= 1.0  # softmax - one_hot: the gradient of the summed loss
-        if grad_hc is not None and not fp32_hidden_grad:
-            grad_hc.copy_((weight.T @ logits.to(weight.dtype)).T)  # (c, H)
-        if grad_w is not None:
-            grad_w.addmm_(logits, hc.float())  # (V, H)
-    return (total.log() - shifted_target).sum()
+        grad_hc = None  # done
+    if grad_hc is None and grad_w is None:
+        return loss
+    logits.mul_(inverse)  # softmax
+    logits[yc, cols] -= 1.0  # softmax - one_hot: the gradient of the summed loss
+    if grad_hc is not None:
+        grad_hc.copy_((weight.T @ logits.to(weight.dtype)).T)  # (c, H)
+    if grad_w is not None:
+        grad_w.addmm_(logits, hc.float())  # (V, H)
+    return loss
 
 
 def _chunk_triton(
