@@ -125,30 +125,24 @@ class LayerProfiler(L.Callback):
 
             return hook
 
-        def trunk_end(output: Any) -> None:
-            self._mark("trunk_end", once=True)
-            hidden = _first_tensor(output)
-            if hidden.requires_grad:
-                hidden.register_hook(self._on_grad("head_grad"))
+        def timed(module: nn.Module, start: str, end: str, grad_reaches_output: str) -> None:
+            """Mark ``start``/``end`` around ``module``'s forward, and ``grad_reaches_output`` when
+            its output's gradient is computed in backward."""
 
-        self._handles += [
-            decoder.register_forward_pre_hook(recording(lambda _: self._mark("trunk_start", once=True))),
-            decoder.register_forward_hook(recording(trunk_end)),
-        ]
-        for i, layer in enumerate(layers):
-
-            def layer_end(output: Any, i: int = i) -> None:
-                self._mark(f"fwd_end/{i}", once=True)
+            def on_output(output: Any) -> None:
+                self._mark(end, once=True)
                 hidden = _first_tensor(output)
                 if hidden.requires_grad:
-                    hidden.register_hook(self._on_grad(f"bwd_start/{i}"))
+                    hidden.register_hook(self._on_grad(grad_reaches_output))
 
             self._handles += [
-                layer.register_forward_pre_hook(
-                    recording(lambda _, i=i: self._mark(f"fwd_start/{i}", once=True))
-                ),
-                layer.register_forward_hook(recording(layer_end)),
+                module.register_forward_pre_hook(recording(lambda _: self._mark(start, once=True))),
+                module.register_forward_hook(recording(on_output)),
             ]
+
+        timed(decoder, "trunk_start", "trunk_end", "head_grad")
+        for i, layer in enumerate(layers):
+            timed(layer, f"fwd_start/{i}", f"fwd_end/{i}", f"bwd_start/{i}")
         self._num_layers = len(layers)
 
     def _detach(self) -> None:
