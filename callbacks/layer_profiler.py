@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import log_image, pyplot
+from lit_instruct.callbacks.shared import log_dir, log_image, pyplot
 
 PHASES = ("forward", "loss", "lm_head_backward", "layer_backward", "optimizer", "step")
 """Step phases: decoder trunk forward; loss (with a fused loss, its in-forward lm_head backward too);
@@ -231,7 +231,7 @@ class LayerProfiler(L.Callback):
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._detach()
-        directory = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)  # every rank
+        directory = Path(self.output_dir) if self.output_dir else log_dir(trainer)  # every rank
         if not self.history or not trainer.is_global_zero:
             return
         directory.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import log_image, pyplot
+from lit_instruct.callbacks.shared import log_dir, log_image, pyplot
 
 
 class LossCurves(L.Callback):
@@ -50,7 +50,7 @@ class LossCurves(L.Callback):
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        directory = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)  # every rank
+        directory = Path(self.output_dir) if self.output_dir else log_dir(trainer)  # every rank
         if trainer.is_global_zero and (self.train or self.val):
             directory.mkdir(parents=True, exist_ok=True)
             log_image(trainer, "train/loss_curves", self.plot(directory / "loss_curves.png"))

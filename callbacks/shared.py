@@ -1,4 +1,4 @@
-"""Helpers shared by the callbacks: a headless pyplot, images to W&B, where checkpoints go."""
+"""Helpers shared by the callbacks: a headless pyplot, images to W&B, where logs and checkpoints go."""
 
 from __future__ import annotations
 
@@ -26,9 +26,18 @@ def log_image(trainer: L.Trainer, key: str, path: Path) -> None:
             logger.log_image(key, [str(path)])
 
 
+def log_dir(trainer: L.Trainer) -> Path:
+    """The Trainer's log directory, else its root directory.
+
+    Under DDP ``trainer.log_dir`` is broadcast from rank 0, a collective: call this on every rank,
+    before any ``is_global_zero`` branch, or the run hangs.
+    """
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
 def checkpoint_dir(trainer: L.Trainer) -> Path:
     """The ``ModelCheckpoint`` folder, else ``<log dir>/checkpoints`` (call it on every rank)."""
     callback = trainer.checkpoint_callback
     if callback is not None and callback.dirpath:
         return Path(callback.dirpath)
-    return Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"
+    return log_dir(trainer) / "checkpoints"
