@@ -15,8 +15,10 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
+
+from lit_instruct.callbacks.shared import log_dir
 
 
 class GenerationPreview(L.Callback):
@@ -43,9 +45,11 @@ class GenerationPreview(L.Callback):
         self.history: list[tuple[int, str, str]] = []
 
     @override
-    @rank_zero_only
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
+            return
+        folder = log_dir(trainer)  # on every rank: a collective under DDP
+        if not trainer.is_global_zero:
             return
         from lit_instruct.generate import generate
 
@@ -64,13 +68,12 @@ class GenerationPreview(L.Callback):
             rows.append((step, prompt, answer))
             rank_zero_info(f"lit-instruct generation @ step {step}: {prompt!r} -> {answer!r}")
         self.history += rows
-        self._write(trainer, rows)
+        self._write(trainer, rows, folder)
 
-    def _write(self, trainer: L.Trainer, rows: list[tuple[int, str, str]]) -> None:
+    def _write(self, trainer: L.Trainer, rows: list[tuple[int, str, str]], folder: Path) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 logger.log_text("val/generations", columns=["step", "prompt", "answer"], data=self.history)
-        folder = Path(trainer.log_dir or trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "generations.txt", "a", encoding="utf-8") as out:
             out.writelines(f"[step {s}] {p}\n{a}\n\n" for s, p, a in rows)

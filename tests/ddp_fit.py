@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from lit_instruct.callbacks import SkipNonFiniteSteps
+from lit_instruct.callbacks import GenerationPreview, SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.model import LoRAConfig
 from tests.faults import FaultyModule, Recorder
@@ -39,19 +39,21 @@ def main(args: dict) -> None:
     batch_size = args.get("batch_size", 1)
     data = InstructDataModule(tokenizer=args["model"], train_files=[args["data"]], batch_size=batch_size)
     skip, recorder = SkipNonFiniteSteps(max_consecutive=3), Recorder()
+    preview = [GenerationPreview(args["preview"], max_new_tokens=3)] if "preview" in args else []
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=args.get("strategy", "ddp"),
         max_steps=args["max_steps"],
         accumulate_grad_batches=args.get("accumulate_grad_batches", 1),
-        limit_val_batches=0,
+        limit_val_batches=1 if preview else 0,
+        val_check_interval=2 if preview else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=args["out"],
-        callbacks=[skip, recorder],
+        callbacks=[skip, recorder, *preview],
     )
     trainer.fit(module, datamodule=data)
     out = Path(args["out"])

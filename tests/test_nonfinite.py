@@ -98,7 +98,9 @@ def test_ddp_nan_on_one_rank_skips_on_both(tiny_model_dir, tmp_path):
     data.write_text("".join(json.dumps(c) + "\n" for c in chats))  # 6 batches per rank and epoch
     args = {"model": str(tiny_model_dir), "data": str(data), "out": str(out), "max_steps": 5}
     args.update(fault_rank=1, nan_loss_at=[1], inf_grad_at=[3])  # Inf put in after DDP's all-reduce
+    args.update(preview=["Hi"])  # validations with GenerationPreview: rank 0 generates, no rank hangs
     ranks = run_ddp_fit(args)
+    assert (out / "generations.txt").read_text().count("[step ") == 2  # at steps 2 and 4
     for rank in ranks:
         assert rank["skipped"] == 2 and rank["consecutive"] == 0
         steps = rank["weights_per_step"]
