@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from workers import run_worker
 
 IMPLS = ("naive", "ours", "cce")
 
@@ -82,9 +82,7 @@ def worker(impl: str, n: int, h: int, v: int, ignored: float) -> dict[str, float
 
 
 def run_case(impl: str, n: int, h: int, v: int, ignored: float) -> dict[str, float]:
-    args = [sys.executable, __file__, "--worker", impl, str(n), str(h), str(v), str(ignored)]
-    out = subprocess.run(args, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(__file__, impl, str(n), str(h), str(v), str(ignored))
 
 
 def main() -> None:

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import lightning as L
+from workers import run_worker
 
 MODES = {"off": None, "every_10": 10, "every_1": 1}
-ROOT = Path(__file__).parents[1]
 
 
 class StepTimer(L.Callback):
@@ -80,9 +78,7 @@ def main() -> None:
     runs: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
-            cmd = [sys.executable, __file__, "--worker", mode, str(args.steps)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
-            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs[mode].append(run_worker(__file__, mode, str(args.steps)))
     # Every run trains the same batches: take each step's fastest time over the rounds, which
     # filters out the machine's run-to-run drift, then compare the sums.
     fastest = {

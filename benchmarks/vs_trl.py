@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+from workers import run_worker
+
 BATCH, MAX_LENGTH, LR, SEED = 4, 512, 2e-4, 0
 
 
@@ -264,11 +263,8 @@ def main() -> None:
         runs: dict[str, list[dict]] = {"trl": [], "ours": []}
         for _ in range(args.rounds):
             for which in runs:
-                cmd = [sys.executable, __file__, "--worker", which, str(data), str(args.steps)]
-                out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
-                if out.returncode:
-                    sys.exit(f"{which} failed:\n{out.stderr[-4000:]}")
-                runs[which].append(summarize(json.loads(out.stdout.strip().splitlines()[-1]), args.warmup))
+                result = run_worker(__file__, which, str(data), str(args.steps))
+                runs[which].append(summarize(result, args.warmup))
 
     best = {which: max(rs, key=lambda r: r["tokens_per_s"]) for which, rs in runs.items()}
     gflops, per_token = sgemm_gflops(), flops_per_token(AutoConfig.from_pretrained(path))
