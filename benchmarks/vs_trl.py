@@ -4,12 +4,20 @@ Both train SmolLM2-135M-Instruct in fp32 (TRL's bf16 and gradient-checkpointing 
 off, its fastest settings here) with LoRA r=16 on all linear layers, completion-only loss,
 batch 4, max length 512, constant LR 2e-4, AdamW, gradient clipping at 1.0, on the same instruction
 data (~80-token prompts, ~100-token answers, built from the chatterbot corpus) in the same order,
-for the same number of optimizer steps. Each run is its own process; the two alternate for
-``--rounds`` rounds and the best round of each is reported. Steady state: after ``--warmup`` steps.
-lit-instruct runs as shipped for speed: fused CE (``fused_ce``) and padding-free packing.
+for the same number of optimizer steps. Each run is its own process; the runs alternate for
+``--rounds`` rounds and the best round of each is reported. Steady state: after ``--warmup`` steps
+(their time, which includes ``torch.compile``'s, is reported apart).
+
+The runs (``--runs``; every ratio is against ``trl``):
+  trl         TRL's fastest fp32 settings: bf16 and gradient checkpointing off
+  trl-gc      TRL with its default gradient checkpointing
+  ours-eager  fused CE (``fused_ce``) and padding-free packing (``data.packing``)
+  ours        + ``model.compile_layers`` (the fastest)
+  ours-lean   + ``model.gradient_checkpointing`` (the leanest)
+  ours-bf16   ours-eager under bf16 autocast (``trainer.precision: bf16-mixed``)
 
     pip install 'lit-instruct[bench]'          # trl, datasets
-    python benchmarks/vs_trl.py                # 20 steps, 2 rounds (about 10 min on 2 cores)
+    python benchmarks/vs_trl.py                # 20 steps, 2 rounds (about 40 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -23,7 +31,14 @@ from pathlib import Path
 
 from workers import run_worker
 
-BATCH, MAX_LENGTH, LR, SEED = 4, 512, 2e-4, 0
+BATCH, MAX_LENGTH, LR, SEED, RANK = 4, 512, 2e-4, 0, 16
+OURS = {  # (module options, Trainer precision)
+    "ours-eager": ({}, "32-true"),
+    "ours": ({"compile_layers": True}, "32-true"),
+    "ours-lean": ({"compile_layers": True, "gradient_checkpointing": True}, "32-true"),
+    "ours-bf16": ({}, "bf16-mixed"),
+}
+TRL = {"trl": {"gradient_checkpointing": False}, "trl-gc": {"gradient_checkpointing": True}}
 
 
 def instruction_records(
@@ -52,7 +67,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_ours(data: Path, steps: int) -> dict:
+def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
     import lightning as L
 
     from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
@@ -73,9 +88,14 @@ def run_ours(data: Path, steps: int) -> dict:
     clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp:
         L.seed_everything(SEED)
-        lora = LoRAConfig(r=16, alpha=32, dropout=0.0, target_modules="all-linear")
+        lora = LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules="all-linear")
         module = InstructLoRAModule(
-            lora=lora, learning_rate=LR, warmup_steps=0, min_lr_ratio=1.0, adapter_dir=f"{tmp}/adapter"
+            lora=lora,
+            learning_rate=LR,
+            warmup_steps=0,
+            min_lr_ratio=1.0,
+            adapter_dir=f"{tmp}/adapter",
+            **options,
         )
         datamodule = InstructDataModule(
             train_files=[str(data)],
@@ -89,6 +109,7 @@ def run_ours(data: Path, steps: int) -> dict:
         trainer = L.Trainer(
             accelerator="cpu",
             strategy="fused_ce",
+            precision=precision,
             max_steps=steps,
             gradient_clip_val=1.0,
             limit_val_batches=0,
@@ -103,7 +124,7 @@ def run_ours(data: Path, steps: int) -> dict:
     return {"steps": clock.rows, "peak_rss_mb": peak_rss_mb()}
 
 
-def run_trl(data: Path, steps: int, order: list[int]) -> dict:
+def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -171,13 +192,13 @@ def run_trl(data: Path, steps: int, order: list[int]) -> dict:
             report_to="none",
             use_cpu=True,
             bf16=False,  # fp32 like ours (TRL defaults to bf16, emulated and slow on CPUs without it)
-            gradient_checkpointing=False,  # TRL's default is on: off is its faster setting
+            **options,  # gradient_checkpointing: TRL's default is on, off is its faster setting
             seed=SEED,
             dataloader_num_workers=0,
             disable_tqdm=True,
         )
         peft = LoraConfig(
-            r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+            r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
         )
         trainer = InOrder(
             model=model,
@@ -195,15 +216,17 @@ def run_trl(data: Path, steps: int, order: list[int]) -> dict:
     return {"steps": rows, "peak_rss_mb": peak_rss_mb()}
 
 
-def flops_per_token(config) -> float:
+def flops_per_token(config, response_fraction: float) -> float:
     """Frozen-base LoRA training, per token: forward 2P and input-gradient backward 2P over the
-    linear layers and the lm_head (no weight gradients for the base; the adapters' are negligible),
-    plus causal attention at the data's mean context."""
+    frozen linear layers (no weight gradients for the base), and the lm_head over the response
+    positions only (all the loss needs); forward, input- and weight-gradient 6P over the adapters;
+    causal attention at the data's mean context."""
     h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     kv = h * config.num_key_value_heads // config.num_attention_heads
-    linear = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * config.vocab_size
+    frozen = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + response_fraction * h * config.vocab_size
+    adapters = layers * RANK * (2 * (h + h) + 2 * (h + kv) + 3 * (h + inter))
     attention = layers * 4 * h * 100  # QK^T and AV over ~100 earlier positions on average
-    return 4 * linear + 2 * attention
+    return 4 * frozen + 6 * adapters + 2 * attention
 
 
 def sgemm_gflops() -> float:
@@ -223,9 +246,35 @@ def summarize(result: dict, warmup: int) -> dict:
     return {
         "tokens_per_s": sum(r[1] for r in rows) / seconds,
         "response_tokens_per_s": sum(r[2] for r in rows) / seconds,
+        "response_fraction": sum(r[2] for r in rows) / sum(r[1] for r in rows),
+        "warmup_s": sum(r[0] for r in result["steps"][:warmup]),
         "peak_rss_mb": result["peak_rss_mb"],
         "losses": [r[3] for r in result["steps"]],
     }
+
+
+def worker(which: str, data: Path, steps: int) -> dict:
+    if which in OURS:
+        return run_ours(data, steps, *OURS[which])
+    order = json.loads(data.with_suffix(".order.json").read_text())
+    return run_trl(data, steps, order, TRL[which])
+
+
+def print_report(best: dict[str, dict], limit: float) -> None:
+    trl = best["trl"]
+    heads = ("tokens/s", 15), ("resp tok/s", 15), ("peak RSS MB", 17), ("FLOP limit", 10), ("warmup s", 8)
+    print(f"{'':>10} " + " ".join(f"{name:>{width}}" for name, width in heads))
+    for which, r in best.items():
+        ratios = [r[k] / trl[k] for k in ("tokens_per_s", "response_tokens_per_s", "peak_rss_mb")]
+        print(
+            f"{which:>10} {r['tokens_per_s']:>7.1f} ({ratios[0]:.2f}x) "
+            f"{r['response_tokens_per_s']:>7.1f} ({ratios[1]:.2f}x) "
+            f"{r['peak_rss_mb']:>9.0f} ({ratios[2]:.2f}x) "
+            f"{r['tokens_per_s'] / limit:>10.1%} {r['warmup_s']:>8.1f}"
+        )
+    print("loss per step (" + " | ".join(best) + "):")
+    for step, losses in enumerate(zip(*(r["losses"] for r in best.values()), strict=False)):
+        print(f"  {step:>3} " + " | ".join(f"{x:.4f}" for x in losses))
 
 
 def main() -> None:
@@ -234,18 +283,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
+    default_runs = ["trl", "ours-eager", "ours", "ours-lean"]
+    parser.add_argument("--runs", nargs="+", choices=[*TRL, *OURS], default=default_runs)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/vs_trl.json"))
     parser.add_argument("--worker", nargs=3, metavar=("WHICH", "DATA", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         which, data, steps = args.worker
-        data = Path(data)
-        if which == "ours":
-            print(json.dumps(run_ours(data, int(steps))))
-        else:
-            order = json.loads(data.with_suffix(".order.json").read_text())
-            print(json.dumps(run_trl(data, int(steps), order)))
+        print(json.dumps(worker(which, Path(data), int(steps))))
         return
+    if "trl" not in args.runs:
+        parser.error("--runs must include trl: every ratio is against it")
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -260,35 +308,22 @@ def main() -> None:
         data.write_text("".join(json.dumps(r) + "\n" for r in records))
         order = InstructSampler([1] * len(records), BATCH, seed=SEED).rank_order(0)
         data.with_suffix(".order.json").write_text(json.dumps(order))
-        runs: dict[str, list[dict]] = {"trl": [], "ours": []}
+        runs: dict[str, list[dict]] = {which: [] for which in args.runs}
         for _ in range(args.rounds):
             for which in runs:
                 result = run_worker(__file__, which, str(data), str(args.steps))
                 runs[which].append(summarize(result, args.warmup))
 
     best = {which: max(rs, key=lambda r: r["tokens_per_s"]) for which, rs in runs.items()}
-    gflops, per_token = sgemm_gflops(), flops_per_token(AutoConfig.from_pretrained(path))
+    ours = next(r for which, r in best.items() if which in OURS)
+    gflops = sgemm_gflops()
+    per_token = flops_per_token(AutoConfig.from_pretrained(path), ours["response_fraction"])
     limit = gflops * 1e9 / per_token
     print(
         f"sgemm {gflops:.0f} GFLOP/s; LoRA training {per_token / 1e6:.0f} MFLOP/token "
         f"-> FLOP limit {limit:.0f} tokens/s"
     )
-    print(f"{'':>6} {'tokens/s':>9} {'resp tok/s':>10} {'peak RSS MB':>11} {'FLOP-limit share':>16}")
-    for which, r in best.items():
-        share = r["tokens_per_s"] / limit
-        print(
-            f"{which:>6} {r['tokens_per_s']:>9.1f} {r['response_tokens_per_s']:>10.1f} "
-            f"{r['peak_rss_mb']:>11.0f} {share:>16.1%}"
-        )
-    ours, trl = best["ours"], best["trl"]
-    print(
-        f"ours / TRL: {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x tokens/s, "
-        f"{ours['response_tokens_per_s'] / trl['response_tokens_per_s']:.2f}x response tokens/s, "
-        f"{ours['peak_rss_mb'] / trl['peak_rss_mb']:.2f}x peak RSS"
-    )
-    print("loss per step (ours | TRL):")
-    for step, (a, b) in enumerate(zip(ours["losses"], trl["losses"], strict=False)):
-        print(f"  {step:>3} {a:.4f} | {b:.4f}")
+    print_report(best, limit)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps({"runs": runs, "sgemm_gflops": gflops, "flops_per_token": per_token}, indent=2)

@@ -63,3 +63,28 @@ def test_speed_and_memory_options_give_the_same_gradients(
         grads[enabled] = module.captured
     for name, grad in grads[False].items():
         torch.testing.assert_close(grads[True][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_bf16_autocast_trains_packed_with_the_fused_loss_like_fp32(
+    tiny_model_dir, chat_file, tmp_path
+) -> None:
+    """``precision: bf16-mixed`` (the fast path on hardware with bf16) on the fast path's parts:
+    packing, per-sample attention and the fused loss; same losses as fp32 to bf16 resolution."""
+    losses = {}
+    for precision in ("32-true", "bf16-mixed"):
+        module, data = make(tiny_model_dir, chat_file, warmup_steps=0)
+        data.packing = True
+        recorder = Recorder()
+        run = trainer(
+            tmp_path,
+            max_steps=3,
+            limit_val_batches=0,
+            precision=precision,
+            strategy="fused_ce",
+            callbacks=[recorder],
+        )
+        run.fit(module, datamodule=data)
+        losses[precision] = torch.tensor(recorder.losses)
+    assert losses["bf16-mixed"].isfinite().all()
+    torch.testing.assert_close(losses["bf16-mixed"], losses["32-true"], atol=0, rtol=2e-2)
+    assert not torch.equal(losses["bf16-mixed"], losses["32-true"])  # autocast really ran in bf16
