@@ -98,3 +98,18 @@ def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_
     assert adapters == [Path("version_0/adapter"), Path("version_0/checkpoints/epoch=0-step=2-adapter")]
     assert (tmp_path / "version_0" / "loss_curves.png").is_file()
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+@pytest.mark.parametrize("name", ["lora.yaml", "qlora.yaml"])
+def test_early_stopping_configs_finish_when_max_steps_stops_before_any_validation(
+    name: str, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """``--trainer.max_steps`` ending mid-epoch (no validation has run) must not trip EarlyStopping."""
+    args = ["fit", "--config", str(ROOT / "configs" / name), "--model.model", str(tiny_model_dir)]
+    args += ["--data.train_files", f"[{chat_file}]", "--data.val_fraction", "0.3", "--data.batch_size", "1"]
+    args += ["--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.accelerator", "cpu"]
+    args += ["--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
+    if name == "qlora.yaml":
+        args += ["--model.quantization.compute_dtype", "float32"]
+    main(args)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
