@@ -15,7 +15,7 @@ from lit_instruct.models import BUNDLED_MODELS
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["none", "nf4", "fp4"]
 
-ALL_LLAMA_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
 
 
 def resolve_model_path(name: str) -> str:
@@ -44,8 +44,10 @@ class LoRAConfig:
     """Scaling numerator: the update is scaled by alpha / r (alpha / sqrt(r) with rslora)."""
     dropout: float = 0.0
     """Dropout on the adapter input."""
-    target_modules: list[str] = field(default_factory=lambda: list(ALL_LLAMA_LINEAR))
-    """Names of the linear layers that get adapters ("all-linear" is accepted as a single entry)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Names of the linear layers that get adapters; ``["all-linear"]`` (the default) is every linear
+    layer of the decoder but the output head, fused projections (``qkv_proj``, ``gate_up_proj``) and
+    routers included, plus the 3-D expert weights of MoE layers."""
     use_rslora: bool = False
     """Rank-stabilized LoRA scaling (alpha / sqrt(r))."""
 
@@ -67,6 +69,7 @@ def load_base_model(
     dtype: DType = "float32",
     trust_remote_code: bool = False,
     quantization: QuantizationConfig | None = None,
+    attn_implementation: AttnImplementation = "auto",
 ) -> nn.Module:
     """Load a causal LM from a bundled name, a local folder or a hub id.
 
@@ -87,13 +90,14 @@ def load_base_model(
             bnb_4bit_compute_dtype=getattr(torch, dtype),
         )
         kwargs["device_map"] = {"": "cuda" if torch.cuda.is_available() else "cpu"}
+    if attn_implementation != "auto":
+        kwargs["attn_implementation"] = attn_implementation
     if trust_remote_code:
         warnings.warn(f"trust_remote_code=True: code shipped with {name} will run", stacklevel=2)
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(name),
         dtype=getattr(torch, dtype),
         trust_remote_code=trust_remote_code,
-        attn_implementation="sdpa",
         **kwargs,
     )
     model.config.use_cache = False
@@ -130,18 +134,37 @@ def _quant_state_bytes(state: object) -> int:
     return size + (_quant_state_bytes(nested) if nested is not None else 0)
 
 
+def expert_parameters(model: nn.Module) -> list[str]:
+    """``module.parameter`` suffixes of the 3-D expert weights of MoE layers (e.g.
+    ``experts.gate_up_proj``): no ``nn.Linear`` holds them, so ``all-linear`` alone would miss them."""
+    found = {
+        f"{module_name.rsplit('.', 1)[-1]}.{name}"
+        for module_name, module in model.named_modules()
+        for name, p in module.named_parameters(recurse=False)
+        if p.dim() == 3
+    }
+    return sorted(found)
+
+
 def attach_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
-    """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen."""
+    """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen.
+
+    ``target_modules: [all-linear]`` adapts every linear layer but the output head (peft's
+    ``all-linear``) and every 3-D expert weight (peft's ``target_parameters``).
+    """
     from peft import LoraConfig, get_peft_model
 
     targets: list[str] | str = lora.target_modules
-    if targets == ["all-linear"]:
+    experts: list[str] | None = None
+    if targets in (["all-linear"], "all-linear"):
         targets = "all-linear"
+        experts = expert_parameters(model) or None
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets,
+        target_parameters=experts,
         use_rslora=lora.use_rslora,
         task_type="CAUSAL_LM",
         bias="none",

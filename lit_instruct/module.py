@@ -15,10 +15,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
-from lit_instruct.data.render import IGNORE_INDEX
 from lit_instruct.export import save_adapter
+from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.model import (
+    AttnImplementation,
     DType,
     LoRAConfig,
     QuantizationConfig,
@@ -26,7 +27,9 @@ from lit_instruct.model import (
     load_base_model,
     parameter_bytes,
 )
-from lit_instruct.packing import ATTENTION
+from lit_instruct.moe import RouterAuxLoss
+from lit_instruct.output_head import UnsupportedModelError, output_head
+from lit_instruct.packing import PACKED_ATTENTION, check_packing
 from lit_instruct.rng import gather_rng_states, restore_rng_states
 from lit_instruct.summary import FitTotals, fit_summary
 
@@ -47,8 +50,10 @@ class InstructLoRAModule(L.LightningModule):
     """A causal LM with LoRA adapters, trained on the response tokens of instruction data.
 
     ``training_step`` runs the decoder trunk to final hidden states and hands them, shifted, to
-    ``self.loss_fn(hidden, lm_head.weight, labels)``; the full ``[tokens, vocab]`` logits are never
-    asked for, and a strategy may swap ``loss_fn`` for a fused implementation.
+    ``self.loss_fn(hidden, lm_head.weight, labels, bias=..., transform=...)`` with the model's own
+    logit scaling / soft-capping (read from its forward and checked against its logits at load); the
+    full ``[tokens, vocab]`` logits are never asked for, and a strategy may swap ``loss_fn`` for a
+    fused implementation. MoE models whose forward adds the router's auxiliary loss get it added too.
 
     Args:
         model: bundled name (``smollm2-135m-instruct``), local folder, or hub id.
@@ -67,6 +72,9 @@ class InstructLoRAModule(L.LightningModule):
             keeping them (less memory, about a third more compute).
         compile_layers: ``torch.compile`` each decoder layer (dynamic shapes): faster steps after
             a compilation of a minute or more.
+        attn_implementation: ``auto`` (what ``transformers`` picks for the family: SDPA, or eager
+            where SDPA cannot do the family's attention), ``sdpa``, ``eager``, or another
+            ``transformers`` implementation (packed batches need ``sdpa`` or ``eager``).
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class InstructLoRAModule(L.LightningModule):
         quantization: QuantizationConfig | dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         compile_layers: bool = False,
+        attn_implementation: AttnImplementation = "auto",
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
@@ -93,7 +102,13 @@ class InstructLoRAModule(L.LightningModule):
         self.save_hyperparameters(ignore=["lora", "quantization"])
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
-        base = load_base_model(model, dtype, trust_remote_code, self.quantization)
+        base = load_base_model(model, dtype, trust_remote_code, self.quantization, attn_implementation)
+        self.logit_transform = output_head(base).transform
+        self.router_aux_loss = RouterAuxLoss.of(base)
+        self.attention = base.config._attn_implementation  # no public getter in transformers 5
+        if self.attention in PACKED_ATTENTION:  # same attention; packed rows also stay per sample
+            base.set_attn_implementation(PACKED_ATTENTION[self.attention])
+        self._packing_checked = False
         self.model = attach_lora(base, self.lora_config)
         self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
         if gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
@@ -113,7 +128,6 @@ class InstructLoRAModule(L.LightningModule):
         self._batch_tokens = 0
         self._window_loss, self._window_count, self._window_tokens = torch.zeros(()), 0, 0  # this rank's
         self._rng_to_restore: list[dict[str, Any]] | None = None
-        self._check_head()
 
     @property
     def base_model(self) -> nn.Module:
@@ -125,48 +139,79 @@ class InstructLoRAModule(L.LightningModule):
         """The output projection whose weight the loss takes."""
         return self.base_model.get_output_embeddings()
 
-    def _check_head(self) -> None:
-        head = self.lm_head
-        if not isinstance(head, nn.Linear) or head.bias is not None:
-            raise ValueError(
-                f"the lm_head must be a plain bias-free nn.Linear (got {type(head).__name__}); "
-                "do not put 'lm_head' in lora.target_modules"
-            )
-        if getattr(self.base_model.config, "final_logit_softcapping", None):
-            raise ValueError("models with final_logit_softcapping are not supported by the hidden-state loss")
+    def check_packing(self) -> None:
+        """Refuse packed batches for a model whose layers would mix packed samples (once).
 
-    def hidden_states(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Final (normed) hidden states of the decoder trunk, ``(B, T, H)``.
+        Raises:
+            UnsupportedModelError: for an attention implementation that cannot run per sample, or
+                a model whose packed output differs from its samples run alone (recurrent or
+                convolutional token mixers, ...).
+        """
+        if self._packing_checked:
+            return
+        if self.attention not in PACKED_ATTENTION:
+            raise UnsupportedModelError(
+                f"data.packing needs model.attn_implementation sdpa or eager, not {self.attention!r}"
+            )
+        check_packing(self.base_model)
+        self._packing_checked = True
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if getattr(datamodule, "packing", False):
+            self.check_packing()
+
+    def trunk(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final (normed) hidden states of the decoder, ``(B, T, H)``, and the router's auxiliary
+        loss (MoE models whose forward adds it; else ``None``).
 
         A packed batch (:class:`~lit_instruct.packing.PackCollator`) has no attention mask but
         position ids and sample boundaries; its attention then runs sample by sample.
         """
         decoder = self.base_model.get_decoder()
-        packed = {}
+        extra: dict[str, Any] = {}
         if "packed_segments" in batch:
-            if self.base_model.config._attn_implementation != ATTENTION:
-                self.base_model.set_attn_implementation(ATTENTION)
-            packed = {"position_ids": batch["position_ids"], "packed_segments": batch["packed_segments"]}
-        out = decoder(
-            input_ids=batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            use_cache=False,
-            **packed,
-        )
-        return out.last_hidden_state
+            self.check_packing()
+            extra = {"position_ids": batch["position_ids"], "packed_segments": batch["packed_segments"]}
+        if self.router_aux_loss is not None:
+            extra["output_router_logits"] = True
+        mask = batch.get("attention_mask")
+        out = decoder(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False, **extra)
+        aux = None
+        if self.router_aux_loss is not None:
+            aux = self.router_aux_loss(out.router_logits, mask)
+        return out.last_hidden_state, aux
+
+    def hidden_states(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Final (normed) hidden states of the decoder trunk, ``(B, T, H)``."""
+        return self.trunk(batch)[0]
 
     def loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Sum of CE over response-token predictions of ``batch``, and how many there are."""
-        hidden = self.hidden_states(batch)  # (B, T, H)
+        return self._losses(batch)[:2]
+
+    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        hidden, aux = self.trunk(batch)  # (B, T, H)
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
         labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
         count = int((labels != IGNORE_INDEX).sum())
-        return self.loss_fn(shifted, self.lm_head.weight, labels, reduction="sum"), count
+        head = self.lm_head
+        loss_sum = self.loss_fn(
+            shifted, head.weight, labels, bias=head.bias, transform=self.logit_transform, reduction="sum"
+        )
+        return loss_sum, count, aux
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The micro-batch's *summed* loss; :meth:`on_before_optimizer_step` divides the window's
-        gradient by the response-token count of the whole window on all ranks."""
-        loss_sum, count = self.loss_sum_and_count(batch)
+        gradient by the response-token count of the whole window on all ranks.
+
+        With a router auxiliary loss, ``coefficient * aux * count`` is added: divided by the count,
+        that is the model's own ``mean CE + coefficient * aux`` (token-weighted over the window).
+        """
+        loss_sum, count, aux = self._losses(batch)
+        if aux is not None:
+            self.log("train/aux_loss", aux.detach().float(), batch_size=1)
+            loss_sum = loss_sum + self.router_aux_loss.coefficient * aux * count
         self._window_loss = self._window_loss + loss_sum.detach().float()
         self._window_count += count
         tokens = (

@@ -3,60 +3,111 @@
 :class:`PackCollator` concatenates the samples (position ids restart at 0 for each one, the first
 label of each is ignored so that no sample predicts the next one's first token) and records the
 sample boundaries as ``packed_segments``. The module hands them to the decoder, whose attention is
-:func:`packed_sdpa_attention`: causal SDPA run sample by sample, so no FLOP or byte is spent on
-attention across samples (a block-diagonal mask would cost the square of the whole row).
+:func:`packed_attention` around the model's own attention function (SDPA, or the family's eager
+one): it runs sample by sample, each with the mask the model would give it alone (causal, and the
+layer's sliding window), and with everything else the layer passes (scaling, soft-capping, sinks),
+so no FLOP or byte is spent on attention across samples (a block-diagonal mask would cost the square
+of the whole row). Unpacked batches go straight to the model's attention function.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from lit_instruct.data.render import IGNORE_INDEX, Sample
+from lit_instruct.data.render import Sample
+from lit_instruct.labels import IGNORE_INDEX
 
-ATTENTION = "lit_packed_sdpa"
-
-
-def packed_sdpa_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    packed_segments: Sequence[int] | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """``transformers``' SDPA attention, run separately (and causally) on each packed sample.
-
-    Without ``packed_segments`` (an ordinary padded batch) it is plain SDPA attention.
-    """
-    if packed_segments is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kwargs.pop("is_causal", None)
-    outputs = [
-        sdpa_attention_forward(
-            module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, is_causal=True, **kwargs
-        )[0]
-        for s, e in itertools.pairwise(packed_segments)
-    ]
-    return torch.cat(outputs, dim=1), None  # (1, T, heads, head_dim)
+PACKED_ATTENTION = {"sdpa": "lit_packed_sdpa", "eager": "lit_packed_eager"}
+"""The model's attention implementation -> its packing-aware wrapper (registered in transformers)."""
 
 
-def packed_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
-    """No mask for packed rows (the attention keeps to each sample); SDPA's mask otherwise."""
-    if kwargs.get("attention_mask") is None:
+def _model_eager_attention(module: torch.nn.Module) -> Callable[..., Any]:
+    """The eager attention function of the module's own family (Gemma 2's soft-caps, etc.)."""
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if function is None:
+        raise TypeError(f"{type(module).__module__} defines no eager_attention_forward to pack with")
+    return function
+
+
+def sample_mask(
+    queries: int,
+    keys: int,
+    sliding_window: int | None,
+    additive: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The ``(1, 1, queries, keys)`` mask of one sample alone, its queries being the last positions:
+    key ``j`` is seen from query ``i`` iff ``i - window < j <= i`` (transformers' causal and
+    sliding-window rule). ``None`` where SDPA's own causal flag is the same mask; an additive float
+    mask for eager attention."""
+    if not additive and queries == keys and (sliding_window is None or keys <= sliding_window):
         return None
-    return sdpa_mask(**kwargs)
+    i = torch.arange(keys - queries, keys, device=device)[:, None]
+    j = torch.arange(keys, device=device)[None, :]
+    allowed = j <= i
+    if sliding_window is not None:
+        allowed &= j > i - sliding_window
+    if not additive:
+        return allowed[None, None]
+    blocked = torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return blocked[None, None]
 
 
-AttentionInterface.register(ATTENTION, packed_sdpa_attention)
-AttentionMaskInterface.register(ATTENTION, packed_sdpa_mask)
+def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """A ``transformers`` attention function that runs ``inner`` (``sdpa`` or ``eager``) on each
+    packed sample separately, and as is on unpacked batches."""
+    additive = inner == "eager"
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        packed_segments: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        function = _model_eager_attention(module) if additive else sdpa_attention_forward
+        window = kwargs.get("sliding_window")
+        if packed_segments is None:
+            if additive and attention_mask is None:  # the mask was skipped: one unpadded sample
+                attention_mask = sample_mask(
+                    query.shape[2], key.shape[2], window, True, query.dtype, query.device
+                )
+            return function(module, query, key, value, attention_mask, **kwargs)
+        kwargs.pop("is_causal", None)
+        outputs = []
+        for s, e in itertools.pairwise(packed_segments):
+            mask = sample_mask(e - s, e - s, window, additive, query.dtype, query.device)
+            causal = {"is_causal": True} if mask is None else {}
+            q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+            outputs.append(function(module, q, k, v, mask, **causal, **kwargs)[0])
+        return torch.cat(outputs, dim=1), None  # (1, T, heads, head_dim)
+
+    return attention
+
+
+def _packed_mask(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """No mask for packed rows (each sample gets its own); the inner implementation's otherwise."""
+
+    def mask(**kwargs: Any) -> Any:
+        return None if kwargs.get("attention_mask") is None else inner(**kwargs)
+
+    return mask
+
+
+for _inner, _name in PACKED_ATTENTION.items():
+    AttentionInterface.register(_name, packed_attention(_inner))
+    AttentionMaskInterface.register(_name, _packed_mask(sdpa_mask if _inner == "sdpa" else eager_mask))
 
 
 class PackCollator:
@@ -76,3 +127,47 @@ class PackCollator:
             "position_ids": torch.tensor([positions]),
             "packed_segments": tuple(segments),
         }
+
+
+@torch.no_grad()
+def check_packing(model: torch.nn.Module, lengths: Sequence[int] = (5, 3)) -> None:
+    """Check that ``model``'s decoder gives a packed row the hidden states of its samples run alone
+    (eval mode, a few tokens), so that nothing but attention mixes tokens across samples.
+
+    Raises:
+        UnsupportedModelError: naming the model, when packing would change its output.
+    """
+    from lit_instruct.output_head import UnsupportedModelError
+
+    decoder = model.get_decoder()
+    device = next(model.parameters()).device
+    segments = (0, *itertools.accumulate(lengths))
+    ids = (torch.arange(segments[-1], device=device) * 7 + 3) % model.config.get_text_config().vocab_size
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+    name = type(model).__name__
+    was_training = model.training
+    model.eval()
+    try:
+        packed = decoder(
+            input_ids=ids[None], position_ids=positions[None], packed_segments=segments, use_cache=False
+        ).last_hidden_state[0]
+        alone = torch.cat(
+            [
+                decoder(input_ids=ids[None, s:e], use_cache=False).last_hidden_state[0]
+                for s, e in itertools.pairwise(segments)
+            ]
+        )
+    except TypeError as failure:  # a layer that takes no packing arguments
+        raise UnsupportedModelError(
+            f"{name} cannot run packed rows ({failure}); set data.packing: false"
+        ) from failure
+    finally:
+        model.train(was_training)
+    error = float((packed.float() - alone.float()).abs().max())
+    tolerance = 1e-4 if packed.dtype == torch.float32 else 3e-2
+    if not error <= tolerance * max(1.0, float(alone.abs().max())):
+        raise UnsupportedModelError(
+            f"{name}: a packed row's hidden states differ from its samples run alone (max difference "
+            f"{error:.3g}): its layers mix tokens across samples other than through attention; set "
+            "data.packing: false"
+        )

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lit_instruct.data.records import DataError, Record
-
-IGNORE_INDEX = -100
+from lit_instruct.labels import IGNORE_INDEX
 
 ALPACA_CHAT_TEMPLATE = (
     "{% for message in messages %}"

@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import torch
 
-from lit_instruct.data.render import IGNORE_INDEX
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.logits import IDENTITY, LogitTransform
 from lit_instruct.loss.reference import Reduction
 
 Backend = Literal["auto", "torch", "triton"]
@@ -24,13 +25,14 @@ WORKSPACE_BYTES = 512 * 2**20
 """Bound on one chunk's fp32 logits; the chunk has ``WORKSPACE_BYTES // (4 * V)`` rows by default."""
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk so that a chunk's fp32 logits take at most :data:`WORKSPACE_BYTES`.
+def default_chunk_size(vocab_size: int, buffers: int = 1) -> int:
+    """Rows per chunk so that a chunk's fp32 logits (times ``buffers``: soft-capping keeps a second
+    chunk-sized buffer) take at most :data:`WORKSPACE_BYTES`.
 
     Rounded down to a multiple of 64: GEMMs with ragged sizes run markedly slower (on CPU, 523 rows
     ran at 0.7x the speed of 512).
     """
-    rows = WORKSPACE_BYTES // (4 * vocab_size)
+    rows = WORKSPACE_BYTES // (4 * vocab_size * buffers)
     return max(1, rows // 64 * 64 or rows)
 
 
@@ -45,48 +47,86 @@ def _resolve_backend(backend: Backend, device: torch.device) -> Literal["torch",
     return "torch"
 
 
+@dataclass
+class _ChunkGrads:
+    """Where a chunk writes its gradients: its rows of ``grad_hidden``, and the (fp32) sums of the
+    lm_head weight and bias gradients; ``None`` for what is not needed."""
+
+    hidden: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    @property
+    def any(self) -> bool:
+        return self.hidden is not None or self.weight is not None or self.bias is not None
+
+
 def _chunk_torch(
     hc: torch.Tensor,
     yc: torch.Tensor,
     weight: torch.Tensor,
-    buffer: torch.Tensor,
-    grad_hc: torch.Tensor | None,
-    grad_w: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+    buffers: tuple[torch.Tensor, torch.Tensor | None],
+    grads: _ChunkGrads,
 ) -> torch.Tensor:
-    """One chunk in PyTorch; returns its loss sum and writes ``grad_hc`` / adds into ``grad_w``.
+    """One chunk in PyTorch; returns its loss sum and writes / accumulates into ``grads``.
 
     The chunk's logits are laid out vocabulary-major, ``(V, c)``: both matmuls (``W @ h.T`` and
     ``W.T @ grad``) then run as long, cache-friendly GEMMs (about 1.2x faster on CPU than row-major
     at c = 512), and the softmax takes four column passes with no chunk-sized temporary (five when
-    the lm_head trains or the weights are not fp32).
+    the lm_head trains or the weights are not fp32). With soft-capping, ``buffers[1]`` keeps
+    ``1 - tanh^2`` for the chain rule. The logit scale is folded into the gradients at the end.
     """
     vocab, c = weight.shape[0], len(hc)
-    logits = buffer[: vocab * c].view(vocab, c)  # (V, c) fp32
+    logits = buffers[0][: vocab * c].view(vocab, c)  # (V, c) fp32
+    column_bias = bias[:, None] if bias is not None else None
     if hc.dtype == weight.dtype == logits.dtype:
-        torch.mm(weight, hc.T, out=logits)
+        if column_bias is None:
+            torch.mm(weight, hc.T, out=logits)
+        else:
+            torch.addmm(column_bias, weight, hc.T, out=logits)
     else:
-        logits.copy_(weight @ hc.T)
+        logits.copy_(weight @ hc.T if column_bias is None else torch.addmm(column_bias, weight, hc.T))
+    scale, cap = transform.scale, transform.softcap
+    tanh_slope = None
+    if cap is not None:
+        logits.mul_(scale / cap).tanh_()
+        tanh_slope = buffers[1][: vocab * c].view(vocab, c)
+        torch.mul(logits, logits, out=tanh_slope).neg_().add_(1.0)  # d tanh = 1 - tanh^2
+        logits.mul_(cap)
+    elif scale != 1.0:
+        logits.mul_(scale)
     cols = torch.arange(c, device=hc.device)
     logits.sub_(logits.amax(dim=0, keepdim=True))
     shifted_target = logits[yc, cols]  # (c,)
     total = logits.exp_().sum(dim=0)  # (c,): logits now holds exp(z - max)
     loss = (total.log() - shifted_target).sum()
     inverse = total.reciprocal()
-    if grad_hc is not None and weight.dtype == torch.float32:
+    grad_hc = grads.hidden
+    if grad_hc is not None and weight.dtype == torch.float32 and tanh_slope is None:
         # (softmax - one_hot) @ W = (exp @ W) / total - W[y]: normalizing the small (H, c) product
         # instead of the (V, c) chunk saves a full pass over the logits. (In fp32 only: in bf16 the
         # subtraction would cancel catastrophically for confident predictions.)
         product = weight.T @ logits  # (H, c)
         grad_hc.copy_(product.mul_(inverse).sub_(weight[yc].T).T)
+        if scale != 1.0:
+            grad_hc.mul_(scale)
         grad_hc = None  # done
-    if grad_hc is None and grad_w is None:
+    if grad_hc is None and grads.weight is None and grads.bias is None:
         return loss
     logits.mul_(inverse)  # softmax
-    logits[yc, cols] -= 1.0  # softmax - one_hot: the gradient of the summed loss
+    logits[yc, cols] -= 1.0  # softmax - one_hot: the gradient of the summed loss w.r.t. z
+    if tanh_slope is not None:
+        logits.mul_(tanh_slope)  # w.r.t. scale * raw
     if grad_hc is not None:
         grad_hc.copy_((weight.T @ logits.to(weight.dtype)).T)  # (c, H)
-    if grad_w is not None:
-        grad_w.addmm_(logits, hc.float())  # (V, H)
+        if scale != 1.0:
+            grad_hc.mul_(scale)
+    if grads.weight is not None:
+        grads.weight.addmm_(logits, hc.float(), alpha=scale)  # (V, H)
+    if grads.bias is not None:
+        grads.bias.add_(logits.sum(dim=1), alpha=scale)
     return loss
 
 
@@ -94,22 +134,29 @@ def _chunk_triton(
     hc: torch.Tensor,
     yc: torch.Tensor,
     weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
     buffer: torch.Tensor,
-    grad_hc: torch.Tensor | None,
-    grad_w: torch.Tensor | None,
+    grads: _ChunkGrads,
     ignore_index: int,
 ) -> torch.Tensor:
-    """One chunk with the Triton kernel: row-major ``(c, V)`` logits in the input dtype."""
+    """One chunk with the Triton kernel: row-major ``(c, V)`` logits in the input dtype, turned in
+    place into the gradient w.r.t. the raw logits (transform's chain rule included)."""
     from lit_instruct.loss.triton_ce import ce_grad_inplace_triton
 
     vocab, c = weight.shape[0], len(hc)
     logits = buffer[: c * vocab].view(c, vocab)  # (c, V)
-    torch.mm(hc, weight.T, out=logits)
-    loss = ce_grad_inplace_triton(logits, yc, ignore_index).sum()
-    if grad_hc is not None:
-        torch.mm(logits, weight, out=grad_hc)
-    if grad_w is not None:
-        grad_w.addmm_(logits.T.float(), hc.float())
+    if bias is None:
+        torch.mm(hc, weight.T, out=logits)
+    else:
+        torch.addmm(bias, hc, weight.T, out=logits)
+    loss = ce_grad_inplace_triton(logits, yc, ignore_index, transform=transform).sum()
+    if grads.hidden is not None:
+        torch.mm(logits, weight, out=grads.hidden)
+    if grads.weight is not None:
+        grads.weight.addmm_(logits.T.float(), hc.float())
+    if grads.bias is not None:
+        grads.bias.add_(logits.float().sum(dim=0))
     return loss
 
 
@@ -119,7 +166,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
+        bias: torch.Tensor | None,
         labels: torch.Tensor,
+        transform: LogitTransform,
         ignore_index: int,
         reduction: Reduction,
         chunk_size: int | None,
@@ -127,46 +176,51 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_enabled: bool,
     ) -> torch.Tensor:
         # Under no_grad (evaluation) no gradient is computed at all.
-        need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
-        need_weight_grad = grad_enabled and ctx.needs_input_grad[1]
+        need = [grad_enabled and ctx.needs_input_grad[i] for i in range(3)]
         kept = (labels != ignore_index).nonzero().squeeze(1)  # (n,)
         h = hidden.index_select(0, kept)  # (n, H)
         y = labels.index_select(0, kept)  # (n,)
         n, vocab = len(kept), weight.shape[0]
-        chunk = chunk_size or default_chunk_size(vocab)
+        softcapped = transform.softcap is not None
+        chunk = chunk_size or default_chunk_size(vocab, buffers=2 if softcapped else 1)
         use_triton = _resolve_backend(backend, hidden.device) == "triton"
-        buffer_dtype = hidden.dtype if use_triton else torch.float32
-        buffer = torch.empty(min(chunk, n) * vocab, dtype=buffer_dtype, device=hidden.device)  # reused
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_h = torch.empty_like(h) if need_hidden_grad else None  # (n, H)
-        grad_w = None
-        if need_weight_grad:
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        size, device = min(chunk, n) * vocab, hidden.device
+        buffer = torch.empty(size, dtype=hidden.dtype if use_triton else torch.float32, device=device)
+        slope = (
+            torch.empty(size, dtype=torch.float32, device=device) if softcapped and not use_triton else None
+        )
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        grad_h = torch.empty_like(h) if need[0] else None  # (n, H)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need[1] else None
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=device) if need[2] else None
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
-            grad_hc = grad_h[rows] if grad_h is not None else None
+            grads = _ChunkGrads(grad_h[rows] if grad_h is not None else None, grad_w, grad_b)
             if use_triton:
-                loss += _chunk_triton(h[rows], y[rows], weight, buffer, grad_hc, grad_w, ignore_index)
+                loss += _chunk_triton(h[rows], y[rows], weight, bias, transform, buffer, grads, ignore_index)
             else:
-                loss += _chunk_torch(h[rows], y[rows], weight, buffer, grad_hc, grad_w)
+                loss += _chunk_torch(h[rows], y[rows], weight, bias, transform, (buffer, slope), grads)
 
         scale = 1.0 / max(n, 1) if reduction == "mean" else 1.0
         ctx.scale = scale
         ctx.hidden_shape, ctx.hidden_dtype, ctx.weight_dtype = hidden.shape, hidden.dtype, weight.dtype
-        ctx.save_for_backward(kept, grad_h, grad_w)
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.save_for_backward(kept, grad_h, grad_w, grad_b)
         return loss * scale
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        kept, grad_h, grad_w = ctx.saved_tensors
+        kept, grad_h, grad_w, grad_b = ctx.saved_tensors
         factor = grad_out * ctx.scale
-        grad_hidden = grad_weight = None
+        grad_hidden = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_hidden = torch.zeros(ctx.hidden_shape, dtype=ctx.hidden_dtype, device=grad_out.device)
             grad_hidden.index_copy_(0, kept, grad_h * factor.to(grad_h.dtype))
         if ctx.needs_input_grad[1]:
             grad_weight = (grad_w * factor).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        if ctx.needs_input_grad[2]:
+            grad_bias = (grad_b * factor).to(ctx.bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -174,18 +228,23 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
     ignore_index: int = IGNORE_INDEX,
     reduction: Reduction = "mean",
     chunk_size: int | None = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """``F.cross_entropy(hidden @ weight.T, labels, ignore_index=..., reduction=...)``, fused.
+    """``F.cross_entropy(transform(hidden @ weight.T + bias), labels, ...)``, fused.
 
     Args:
         hidden: ``(N, H)`` final hidden states (fp32 or bf16/fp16).
         weight: ``(V, H)`` lm_head weight; its gradient is computed (fp32-accumulated) when it
             requires one.
         labels: ``(N,)`` targets; ``ignore_index`` rows cost nothing.
+        bias: ``(V,)`` lm_head bias, if any (its gradient too, when it requires one).
+        transform: the model's logit scaling and soft-capping, chain rule included.
+        ignore_index: the label of rows that are not predicted.
         reduction: ``mean`` over counted rows (0 when there are none), or ``sum``.
         chunk_size: token rows per chunk (default: a 512 MiB fp32 logits workspace).
         backend: ``torch`` (any device), ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
@@ -199,10 +258,21 @@ def fused_linear_cross_entropy(
             f"expected hidden (N, H), weight (V, H), labels (N,); got {tuple(hidden.shape)}, "
             f"{tuple(weight.shape)}, {tuple(labels.shape)}"
         )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"expected bias (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     return _FusedLinearCrossEntropy.apply(
-        hidden, weight, labels, ignore_index, reduction, chunk_size, backend, torch.is_grad_enabled()
+        hidden,
+        weight,
+        bias,
+        labels,
+        transform,
+        ignore_index,
+        reduction,
+        chunk_size,
+        backend,
+        torch.is_grad_enabled(),
     )
 
 
@@ -219,8 +289,17 @@ class FusedLinearCrossEntropy:
         weight: torch.Tensor,
         labels: torch.Tensor,
         *,
+        bias: torch.Tensor | None = None,
+        transform: LogitTransform = IDENTITY,
         reduction: Reduction = "mean",
     ) -> torch.Tensor:
         return fused_linear_cross_entropy(
-            hidden, weight, labels, reduction=reduction, chunk_size=self.chunk_size, backend=self.backend
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            transform=transform,
+            reduction=reduction,
+            chunk_size=self.chunk_size,
+            backend=self.backend,
         )

@@ -1,8 +1,8 @@
 """Masked causal-LM cross-entropy on materialized logits: the numerical ground truth.
 
-Every loss in lit-instruct has the signature ``loss_fn(hidden, weight, labels)`` with rows already
-aligned (row ``p`` of ``hidden`` predicts ``labels[p]``) and equals
-``F.cross_entropy(hidden @ weight.T, labels, ignore_index=-100, reduction=...)``.
+Every loss in lit-instruct has the signature ``loss_fn(hidden, weight, labels, *, bias, transform)``
+with rows already aligned (row ``p`` of ``hidden`` predicts ``labels[p]``) and equals
+``F.cross_entropy(transform(hidden @ weight.T + bias), labels, ignore_index=-100, reduction=...)``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from lit_instruct.data.render import IGNORE_INDEX
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.logits import IDENTITY, LogitTransform
 
 Reduction = Literal["mean", "sum"]
 
@@ -26,6 +27,8 @@ class LossFn(Protocol):
         weight: torch.Tensor,
         labels: torch.Tensor,
         *,
+        bias: torch.Tensor | None = None,
+        transform: LogitTransform = IDENTITY,
         reduction: Reduction = "mean",
     ) -> torch.Tensor: ...
 
@@ -35,24 +38,29 @@ def reference_linear_cross_entropy(
     weight: torch.Tensor,
     labels: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
     ignore_index: int = IGNORE_INDEX,
     reduction: Reduction = "mean",
 ) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T`` against ``labels``, over non-ignored rows only.
+    """Cross-entropy of ``transform(hidden @ weight.T + bias)`` against ``labels``, counted rows only.
 
     Ignored rows (prompt, padding) are dropped before the projection, so they cost no lm_head FLOPs;
-    half-precision logits are upcast to fp32 before the softmax. With no counted row the result is a
-    zero that is still connected to the graph (so a backward runs on every rank).
+    half-precision logits are upcast to fp32 before the transform and the softmax. With no counted
+    row the result is a zero that is still connected to the graph (so a backward runs on every rank).
 
     Args:
         hidden: ``(N, H)`` final hidden states.
         weight: ``(V, H)`` lm_head weight.
         labels: ``(N,)`` target ids, ``ignore_index`` where nothing is predicted.
+        bias: ``(V,)`` lm_head bias, if the head has one.
+        transform: the model's scaling / soft-capping of the logits.
         reduction: ``mean`` over counted rows, or their ``sum``.
     """
     keep = labels != ignore_index  # (N,)
     if not bool(keep.any()):
-        return (hidden.sum() + weight.sum()) * 0.0
-    logits = hidden[keep] @ weight.T  # (n, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        zero = (hidden.sum() + weight.sum()) * 0.0
+        return zero + bias.sum() * 0.0 if bias is not None else zero
+    logits = F.linear(hidden[keep], weight, bias)  # (n, V)
+    logits = transform(logits.to(torch.promote_types(logits.dtype, torch.float32)))
     return F.cross_entropy(logits, labels[keep], reduction=reduction)

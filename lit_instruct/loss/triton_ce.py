@@ -1,9 +1,11 @@
 """Triton kernel: softmax cross-entropy per row with the gradient written over the logits.
 
 One program per row: an online-softmax pass over the vocabulary (running max and rescaled sum, fp32)
-gives the log-sum-exp and the row's loss; a second pass overwrites the logits with
-``softmax - one_hot(target)`` in the logits' own dtype. Ignored rows get loss 0 and a zero gradient.
-Runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (for tests).
+gives the log-sum-exp and the row's loss; a second pass overwrites the logits with the gradient
+``(softmax - one_hot(target)) * dz/draw`` in the logits' own dtype, where ``z`` is the model's
+transformed logit (scaling, soft-capping: :class:`~lit_instruct.loss.logits.LogitTransform`).
+Ignored rows get loss 0 and a zero gradient. Runs on CUDA, and on CPU tensors under
+``TRITON_INTERPRET=1`` (for tests).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import os
 
 import torch
 
-from lit_instruct.data.render import IGNORE_INDEX
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.logits import IDENTITY, LogitTransform
 
 
 def triton_available() -> bool:
@@ -26,8 +29,28 @@ if triton_available():
     import triton.language as tl
 
     @triton.jit
+    def _transformed(x, scale, softcap, SOFTCAP: tl.constexpr):
+        """``z`` from raw logits, and ``dz/draw``: scaling, then ``softcap * tanh(. / softcap)``."""
+        x = x * scale
+        if SOFTCAP:
+            e = tl.exp(-2.0 * tl.abs(x / softcap))  # tanh through exp: the interpreter has no tanh
+            t = (1.0 - e) / (1.0 + e)
+            t = tl.where(x < 0, -t, t)
+            return softcap * t, scale * (1.0 - t * t)
+        return x, scale + 0.0 * x
+
+    @triton.jit
     def _ce_grad_inplace_kernel(
-        logits_ptr, row_stride, targets_ptr, loss_ptr, vocab_size, ignore_index, BLOCK: tl.constexpr
+        logits_ptr,
+        row_stride,
+        targets_ptr,
+        loss_ptr,
+        vocab_size,
+        ignore_index,
+        scale,
+        softcap,
+        SOFTCAP: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * row_stride
@@ -40,26 +63,36 @@ if triton_available():
         running_sum = 0.0
         for start in range(0, vocab_size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
-            new_max = tl.maximum(running_max, tl.max(x, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+            in_vocab = cols < vocab_size
+            x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
+            z, _ = _transformed(x, scale, softcap, SOFTCAP)
+            z = tl.where(in_vocab, z, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(z, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
             running_max = new_max
         lse = running_max + tl.log(running_sum)
-        target_logit = tl.load(row_ptr + safe_target).to(tl.float32)
-        tl.store(loss_ptr + row, (lse - target_logit) * keep)
+        target_raw = tl.load(row_ptr + safe_target).to(tl.float32)
+        target_z, _ = _transformed(target_raw, scale, softcap, SOFTCAP)
+        tl.store(loss_ptr + row, (lse - target_z) * keep)
 
         for start in range(0, vocab_size, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             in_vocab = cols < vocab_size
             x = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float32)
-            grad = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
+            z, slope = _transformed(x, scale, softcap, SOFTCAP)
+            grad = (tl.exp(z - lse) - tl.where(cols == safe_target, 1.0, 0.0)) * slope
             tl.store(row_ptr + cols, (grad * keep).to(logits_ptr.dtype.element_ty), mask=in_vocab)
 
 
 def ce_grad_inplace_triton(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX, block: int | None = None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    block: int | None = None,
+    transform: LogitTransform = IDENTITY,
 ) -> torch.Tensor:
-    """Per-row CE of ``logits`` ``(c, V)`` as fp32 ``(c,)``; ``logits`` becomes its own gradient.
+    """Per-row CE of ``transform(logits)`` (``logits``: raw ``(c, V)``) as fp32 ``(c,)``; ``logits``
+    becomes the gradient w.r.t. itself.
 
     Raises:
         RuntimeError: when triton is missing, or the tensors are on the CPU without
@@ -75,7 +108,17 @@ def ce_grad_inplace_triton(
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         block = block or min(triton.next_power_of_2(vocab), 4096 if logits.is_cuda else 1024)
+        softcap = transform.softcap
         _ce_grad_inplace_kernel[(rows,)](
-            logits, logits.stride(0), targets.contiguous(), loss, vocab, ignore_index, BLOCK=block
+            logits,
+            logits.stride(0),
+            targets.contiguous(),
+            loss,
+            vocab,
+            ignore_index,
+            float(transform.scale),
+            float(softcap or 1.0),
+            SOFTCAP=softcap is not None,
+            BLOCK=block,
         )
     return loss
