@@ -141,23 +141,43 @@ def expert_parameters(model: nn.Module) -> list[str]:
         f"{module_name.rsplit('.', 1)[-1]}.{name}"
         for module_name, module in model.named_modules()
         for name, p in module.named_parameters(recurse=False)
-        if p.dim() == 3
+        if p.dim() == 3 and not isinstance(module, nn.Conv1d)
     }
     return sorted(found)
+
+
+MAMBA_NO_LORA = {"out_proj"}
+"""Linear layers of Mamba mixers that peft refuses to adapt (their fused kernels read the weight)."""
+
+
+def all_linear_names(model: nn.Module) -> list[str]:
+    """Leaf names of every linear layer of the decoder (fused ``qkv_proj`` / ``gate_up_proj``,
+    routers and bnb 4-bit layers included), the output head excluded."""
+    head = model.get_output_embeddings()
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head
+    }
+    if any(
+        isinstance(getattr(module, "conv1d", None), nn.Conv1d) for module in model.modules()
+    ):  # SSM mixers
+        names -= MAMBA_NO_LORA
+    return sorted(names)
 
 
 def attach_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
     """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen.
 
-    ``target_modules: [all-linear]`` adapts every linear layer but the output head (peft's
-    ``all-linear``) and every 3-D expert weight (peft's ``target_parameters``).
+    ``target_modules: [all-linear]`` adapts every linear layer but the output head
+    (:func:`all_linear_names`) and every 3-D expert weight (peft's ``target_parameters``).
     """
     from peft import LoraConfig, get_peft_model
 
     targets: list[str] | str = lora.target_modules
     experts: list[str] | None = None
     if targets in (["all-linear"], "all-linear"):
-        targets = "all-linear"
+        targets = all_linear_names(model)
         experts = expert_parameters(model) or None
     config = LoraConfig(
         r=lora.r,

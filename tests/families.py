@@ -1,0 +1,93 @@
+"""Tiny random models of the popular decoder families, built from the installed transformers' configs.
+
+Each uses SmolLM2's vocabulary (so the real tokenizer and templates apply) and sets the family's
+distinguishing features to values that matter at this size: a sliding window shorter than the test
+samples, soft-caps small enough for tanh to bend, logit scales far from 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+WINDOW = 5
+"""Sliding window of the windowed families: shorter than every test sample."""
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW}),
+    "phi3": ("Phi3Config", {"sliding_window": WINDOW, "pad_token_id": 0}),
+    "gemma": ("GemmaConfig", {"head_dim": 16}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "final_logit_softcapping": 0.5,
+            "attn_logit_softcapping": 1.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "final_logit_softcapping": 0.5,
+            "sliding_window_pattern": 2,
+        },
+    ),
+    "cohere": ("CohereConfig", {"logit_scale": 0.25}),
+    "cohere2": ("Cohere2Config", {"logit_scale": 0.25, "sliding_window": WINDOW}),
+    "granite": ("GraniteConfig", {"logits_scaling": 8.0}),
+    "phi": ("PhiConfig", {}),
+    "falcon_h1": (
+        "FalconH1Config",
+        {
+            "lm_head_multiplier": 3.0,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 8,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.1,
+        },
+    ),
+}
+
+
+def build_family(name: str, vocab_size: int, path: Path) -> Path:
+    """Save a tiny random model of family ``name`` to ``path`` and return it."""
+    import transformers
+
+    config_class, extra = FAMILIES[name]
+    config = getattr(transformers, config_class)(vocab_size=vocab_size, **{**COMMON, **extra})
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # spread the head's weights so the logit transforms bend
+        model.get_output_embeddings().weight.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path

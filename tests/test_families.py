@@ -1,0 +1,177 @@
+"""The support matrix: every family trains on its own loss, attention and LoRA targets.
+
+For each tiny random model of ``tests/families.py``: the module's loss and LoRA gradients (reference,
+fused torch, fused Triton under the interpreter) equal the model's own ``forward(labels=...)`` on the
+same masked batch; packed training equals padded training (or packing is refused); LoRA lands on
+every linear layer of the decoder; generation follows the same logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lit_instruct.data.collate import PadCollator
+from lit_instruct.data.render import IGNORE_INDEX, Sample
+from lit_instruct.loss.fused import FusedLinearCrossEntropy
+from lit_instruct.loss.logits import IDENTITY
+from lit_instruct.loss.reference import reference_linear_cross_entropy
+from lit_instruct.model import LoRAConfig, expert_parameters, load_base_model
+from lit_instruct.module import InstructLoRAModule
+from lit_instruct.output_head import (
+    OutputHead,
+    UnsupportedModelError,
+    check_against_model_logits,
+    logit_transform,
+)
+from lit_instruct.packing import PackCollator
+from tests.families import FAMILIES, WINDOW, build_family
+
+VOCAB = 49152
+NO_PACKING = {"falcon_h1"}  # Mamba mixers carry state across packed samples: refused
+LOSSES = {
+    "reference": reference_linear_cross_entropy,
+    "fused_torch": FusedLinearCrossEntropy(chunk_size=8, backend="torch"),
+    "fused_triton": FusedLinearCrossEntropy(chunk_size=8, backend="triton"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, InstructLoRAModule]:
+    name = request.param
+    path = build_family(name, VOCAB, tmp_path_factory.mktemp(name))
+    module = InstructLoRAModule(model=str(path), lora=LoRAConfig(r=4, alpha=8))
+    torch.manual_seed(1)
+    with torch.no_grad():  # non-zero B: both LoRA factors get gradients
+        for param_name, p in module.named_parameters():
+            if "lora_B" in param_name:
+                p.normal_(0.0, 0.05)
+    return name, module
+
+
+def samples() -> list[Sample]:
+    """Two samples longer than the sliding window, answers masked the way the renderer masks."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for length, prompt in ((13, 6), (9, 3)):
+        ids = torch.randint(5, VOCAB, (length,), generator=gen).tolist()
+        out.append(Sample(ids, [IGNORE_INDEX] * prompt + ids[prompt:], "test"))
+    return out
+
+
+def assert_relatively_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    """Equal to 1e-5 relative to the tensor's largest entry (fp32 rounding of reordered sums)."""
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale, msg=msg or None)
+
+
+def lora_grads(module: InstructLoRAModule, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+
+
+def own_loss(module: InstructLoRAModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return module.model(**batch, use_cache=False).loss
+
+
+def our_loss(module: InstructLoRAModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The optimizer step's loss for one micro-batch: what ``training_step`` returns, / count."""
+    loss_sum, count, aux = module._losses(batch)
+    if aux is not None:
+        loss_sum = loss_sum + module.router_aux_loss.coefficient * aux * count
+    return loss_sum / count
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_loss_and_lora_gradients_equal_the_models_own(family, loss) -> None:
+    name, module = family
+    batch = PadCollator(0)(samples())
+    expected = own_loss(module, batch)
+    expected_grads = lora_grads(module, expected)
+    module.loss_fn = LOSSES[loss]
+    try:
+        ours = our_loss(module, batch)
+    finally:
+        module.loss_fn = reference_linear_cross_entropy
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    for key, grad in lora_grads(module, ours).items():
+        assert_relatively_close(grad, expected_grads[key], f"{name} {key}")
+    assert any(g.abs().max() > 0 for g in expected_grads.values())
+
+
+def test_packed_equals_padded_or_is_refused(family) -> None:
+    name, module = family
+    if name in NO_PACKING:
+        module._packing_checked = False
+        with pytest.raises(UnsupportedModelError, match=r"data\.packing: false"):
+            module.check_packing()
+        return
+    padded_sum, padded_count = module.loss_sum_and_count(PadCollator(0)(samples()))
+    packed_sum, packed_count = module.loss_sum_and_count(PackCollator()(samples()))
+    assert packed_count == padded_count
+    assert_relatively_close(packed_sum, padded_sum)
+    padded, packed = lora_grads(module, padded_sum), lora_grads(module, packed_sum)
+    for key, grad in packed.items():
+        assert_relatively_close(grad, padded[key], f"{name} {key}")
+
+
+def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> None:
+    name, module = family
+    base = load_base_model(module.hparams.model)
+    head = base.get_output_embeddings()
+    linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    mamba_out = [n for n in linears if n.endswith("mamba.out_proj")]  # peft refuses these
+    experts = [n for n, p in base.named_parameters() if p.dim() == 3 and "conv1d" not in n]
+    adapted = [n for n, _ in module.model.named_modules() if n.endswith("lora_A")]
+    assert len(adapted) == len(linears) - len(mamba_out) + len(experts)
+    assert bool(experts) == (name == "mixtral") == bool(expert_parameters(base))
+    assert not any("lm_head" in n for n in adapted)
+
+
+def test_generation_follows_the_training_logits(family) -> None:
+    _, module = family
+    module.eval()
+    prompt = torch.tensor([samples()[0].input_ids[:7]])
+    with torch.no_grad():
+        generated = module.model.generate(
+            input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False
+        )
+        hidden = module.hidden_states({"input_ids": prompt})[0, -1]
+        head = module.lm_head
+        ours = module.logit_transform(nn.functional.linear(hidden, head.weight, head.bias))
+    module.train()
+    assert generated.shape == (1, 8)
+    assert int(generated[0, 7]) == int(ours.argmax())
+
+
+def test_a_post_head_step_it_does_not_know_is_refused() -> None:
+    from transformers import LlamaForCausalLM
+
+    class Shifted(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden_states = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+            logits = self.lm_head(hidden_states)
+            logits = logits - logits.mean(-1, keepdim=True)
+            return logits
+
+    with pytest.raises(UnsupportedModelError, match=r"Shifted.forward does `logits = logits - logits.mean"):
+        logit_transform(Shifted.__new__(Shifted))
+
+
+def test_sliding_window_matters_in_these_tests(family) -> None:
+    """Guard against a vacuous matrix: the windowed families' samples are longer than the window."""
+    name, module = family
+    window = getattr(module.base_model.config, "sliding_window", None)
+    if name in {"qwen2", "mistral", "phi3", "gemma2", "gemma3", "cohere2"}:
+        assert window == WINDOW < min(len(s.input_ids) for s in samples())
+
+
+def test_the_load_time_check_catches_a_dropped_logit_transform(family) -> None:
+    _, module = family
+    head = OutputHead(module.lm_head, IDENTITY)
+    if module.logit_transform.is_identity:
+        check_against_model_logits(module.base_model, head)  # nothing to drop: passes
+        return
+    with pytest.raises(UnsupportedModelError, match="differ from the model's own"):
+        check_against_model_logits(module.base_model, head)
