@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from lit_instruct.data.chatterbot import read_chatterbot
 from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.records import Message, Record, RecordFormat, read_records
-from lit_instruct.data.render import ChatRenderer, Sample
+from lit_instruct.data.render import ChatRenderer, MultiTurn, Sample
 from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects, build_samples
 from lit_instruct.packing import PackCollator
@@ -68,6 +68,10 @@ class InstructDataModule(L.LightningDataModule):
             (default: ``rejects.jsonl`` in the log directory).
         packing: put each batch's samples in one row without padding (position ids restart per
             sample, attention stays inside each sample): no FLOP is spent on padding.
+        multi_turn: ``auto`` (one sample per conversation where the chat template is prefix-stable,
+            else one per assistant turn, counted ``split_per_turn``), ``joint`` (one per conversation;
+            a template that rewrites earlier turns is an error) or ``per_turn`` (one per assistant
+            turn, each rendered as the model sees it at that turn).
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class InstructDataModule(L.LightningDataModule):
         on_long_sample: LongSamplePolicy = "truncate",
         rejects_file: str | None = None,
         packing: bool = False,
+        multi_turn: MultiTurn = "auto",
     ) -> None:
         super().__init__()
         if not (train_files or chatterbot_categories):
@@ -119,6 +124,7 @@ class InstructDataModule(L.LightningDataModule):
         self.rejects_file = rejects_file
         self.rejects = Rejects(on_bad_record)
         self.packing = packing
+        self.multi_turn = multi_turn
         self.tokenizer: Any = None
         self.train_samples: list[Sample] = []
         self.val_samples: list[Sample] = []
@@ -167,7 +173,7 @@ class InstructDataModule(L.LightningDataModule):
         """Read, split and render the data (once)."""
         if self.train_samples or self.val_samples:
             return
-        renderer = ChatRenderer(self.load_tokenizer(), self.max_seq_len, self.chat_template)
+        renderer = ChatRenderer(self.load_tokenizer(), self.max_seq_len, self.chat_template, self.multi_turn)
         train_records, val_records = self.split(self.read_train_records())
         vocab_size = self.model_vocab_size()
         for split, records in (("train", train_records), ("val", val_records)):

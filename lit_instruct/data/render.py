@@ -1,21 +1,32 @@
 """Records -> token ids and labels: chat-template rendering, per-turn masking, truncation.
 
-Masks come from token boundaries of the one rendered conversation, never from searching for marker
-strings. For each assistant turn ``i`` the template is rendered twice more: the conversation up to the
-turn with the generation prompt (where the answer starts) and the conversation through the turn (where
-it ends). The full text is tokenized once with character offsets, and a token is a label when it starts
-inside an answer span. Inside a span, tokens after the last special token (the end-of-turn marker, e.g.
-the newline after ``<|im_end|>``) are left unlabelled; the end-of-turn token itself IS a label, so the
-model learns to stop, even when the pad token equals it.
+Masks come from the template's own renderings and the tokenizer's character offsets, never from
+searching for marker strings. For each assistant turn ``i`` the template renders the conversation up
+to the turn with the generation prompt (what the model is given at inference) and through the turn.
+The answer starts where the two renderings part (so text a template adds after the generation
+prompt, such as an opening ``<think>``, stays a prompt when the answer repeats it, and is learnt when
+it does not) and ends with the first special token after it: the end-of-turn marker (``<|im_end|>``,
+``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``...), which IS a label so that the model learns to stop,
+even when the pad token equals it. Whatever the template puts after it (a newline, an EOS) is not.
+
+A conversation is one sample when the whole rendering contains each turn's rendering up to that
+end-of-turn token unchanged (the template is prefix-stable). Templates that rewrite earlier turns
+(Qwen3 drops earlier reasoning, some move the system prompt to the last user turn) are not; with
+``multi_turn: auto`` (the default) such a conversation becomes one sample per assistant turn, each
+rendered exactly as the model sees it at that turn (counted as ``split_per_turn``); ``joint``
+refuses it, ``per_turn`` splits every conversation.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from lit_instruct.data.records import DataError, Record
 from lit_instruct.labels import IGNORE_INDEX
+
+MultiTurn = Literal["auto", "joint", "per_turn"]
 
 ALPACA_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -67,6 +78,22 @@ class Sample:
         return sum(label != IGNORE_INDEX for label in self.labels[1:])
 
 
+@dataclass(frozen=True)
+class AnswerTurn:
+    """An assistant turn rendered as the model sees it: ``text`` (the conversation through the turn)
+    and the ``[start, end)`` characters it must produce (the answer and its end-of-turn token)."""
+
+    text: str
+    start: int
+    end: int
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
 class ChatRenderer:
     """Render records with a tokenizer's chat template and label the assistant turns.
 
@@ -75,31 +102,64 @@ class ChatRenderer:
         max_seq_len: samples are cut to this many tokens before masking is evaluated.
         chat_template: overrides the tokenizer's template (needed when it has none); ``"alpaca"``
             selects :data:`ALPACA_CHAT_TEMPLATE`.
+        multi_turn: ``auto`` (one sample per conversation where the template is prefix-stable,
+            else one per assistant turn), ``joint`` (always one; refuses unstable templates) or
+            ``per_turn`` (always one per assistant turn).
     """
 
-    def __init__(self, tokenizer: Any, max_seq_len: int, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_seq_len: int,
+        chat_template: str | None = None,
+        multi_turn: MultiTurn = "auto",
+    ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("lit-instruct needs a fast tokenizer (character offsets) to place masks exactly")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
+        if multi_turn not in ("auto", "joint", "per_turn"):
+            raise ValueError(f"multi_turn must be auto, joint or per_turn, got {multi_turn!r}")
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
+        self.multi_turn = multi_turn
         self.chat_template = resolve_chat_template(tokenizer, chat_template)
-        self._special_ids = set(tokenizer.all_special_ids)
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        self.special_ids = set(tokenizer.all_special_ids) | {i for i, t in decoder.items() if t.special}
+        names = sorted(set(tokenizer.convert_ids_to_tokens(sorted(self.special_ids))), key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, names))) if names else None
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
+    def _render(self, record: Record, count: int, add_generation_prompt: bool = False) -> str:
+        from jinja2 import TemplateError
 
-    def answer_spans(self, record: Record) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered text and the ``[start, end)`` character span of each assistant turn."""
-        messages = [{"role": m.role, "content": m.content} for m in record.messages]
-        text = self._render(messages)
-        spans = []
+        messages = [{"role": m.role, "content": m.content} for m in record.messages[:count]]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except TemplateError as error:
+            raise DataError(
+                record.source, f"the chat template refused the conversation: {error}", reason="template_error"
+            ) from error
+
+    def _check_content(self, record: Record) -> None:
+        for i, message in enumerate(record.messages):
+            found = self._special_text.search(message.content) if self._special_text else None
+            if found:
+                raise DataError(
+                    record.source,
+                    f"messages[{i}].content contains the special token {found.group()!r}, which would "
+                    "break the template's turn structure",
+                    reason="special_token_in_content",
+                )
+
+    def answer_turns(self, record: Record) -> list[AnswerTurn]:
+        """Each assistant turn rendered against its own prefix, with the span it must produce."""
+        self._check_content(record)
+        turns = []
         for i, message in enumerate(record.messages):
             if message.role != "assistant":
                 continue
@@ -107,30 +167,60 @@ class ChatRenderer:
                 raise DataError(
                     record.source, f"messages[{i}] is an assistant turn with no user turn before it"
                 )
-            start = len(self._render(messages[:i], add_generation_prompt=True))
-            through = self._render(messages[: i + 1])
-            if not text.startswith(through) or not through.startswith(text[:start]):
-                raise DataError(
-                    record.source,
-                    "the chat template renders a conversation's prefix differently from the whole "
-                    "conversation, so turn boundaries cannot be found; set data.chat_template",
-                    reason="template_not_prefix_stable",
-                )
-            spans.append((start, len(through)))
-        return text, spans
+            through = self._render(record, i + 1)
+            start = common_prefix_length(self._render(record, i, add_generation_prompt=True), through)
+            turns.append(AnswerTurn(through, start, self._answer_end(through, start)))
+        return turns
 
-    def __call__(self, record: Record) -> Sample:
-        """Tokenize ``record``, label its assistant turns, then truncate to ``max_seq_len``."""
-        text, spans = self.answer_spans(record)
+    def _answer_end(self, text: str, start: int) -> int:
+        """End of the first special token starting at or after ``start`` (the end-of-turn marker);
+        the end of ``text`` if there is none."""
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        for token, (s, e) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True):
+            if s >= start and token in self.special_ids:
+                return e
+        return len(text)
+
+    def _sample(self, record: Record, text: str, spans: list[tuple[int, int]]) -> Sample:
+        """Tokenize ``text``, label the tokens starting inside ``spans``, truncate to ``max_seq_len``."""
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids: list[int] = encoding["input_ids"]
         offsets: list[tuple[int, int]] = encoding["offset_mapping"]
         labels = [IGNORE_INDEX] * len(ids)
-        for start, end in spans:
-            inside = [k for k, (s, _) in enumerate(offsets) if start <= s < end]
-            specials = [k for k in inside if ids[k] in self._special_ids]
-            if specials:  # drop what follows the end-of-turn token (e.g. its newline)
-                inside = [k for k in inside if k <= specials[-1]]
-            for k in inside:
+        for k, (s, _) in enumerate(offsets):
+            if any(start <= s < end for start, end in spans):
                 labels[k] = ids[k]
         return Sample(ids[: self.max_seq_len], labels[: self.max_seq_len], record.source, len(ids))
+
+    def __call__(self, record: Record) -> Sample:
+        """The whole conversation as one sample, every assistant turn labelled.
+
+        Raises:
+            DataError: (``template_not_prefix_stable``) when the template renders an earlier turn
+                differently inside the whole conversation than as the model saw it at that turn.
+        """
+        return self._joint(record, self.answer_turns(record))
+
+    def _joint(self, record: Record, turns: list[AnswerTurn]) -> Sample:
+        text = self._render(record, len(record.messages))
+        for turn in turns:
+            if not text.startswith(turn.text[: turn.end]):
+                raise DataError(
+                    record.source,
+                    "the chat template renders an earlier assistant turn differently inside the whole "
+                    "conversation than as the model saw it at that turn; set data.multi_turn to auto "
+                    "or per_turn (one sample per assistant turn)",
+                    reason="template_not_prefix_stable",
+                )
+        return self._sample(record, text, [(t.start, t.end) for t in turns])
+
+    def samples(self, record: Record) -> tuple[list[Sample], bool]:
+        """The record's samples under ``multi_turn``, and whether it was split per turn."""
+        turns = self.answer_turns(record)
+        if self.multi_turn != "per_turn":
+            try:
+                return [self._joint(record, turns)], False
+            except DataError as error:
+                if self.multi_turn == "joint" or error.reason != "template_not_prefix_stable":
+                    raise
+        return [self._sample(record, t.text, [(t.start, t.end)]) for t in turns], True

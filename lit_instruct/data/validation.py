@@ -70,33 +70,38 @@ def build_samples(
     on_long_sample: LongSamplePolicy = "truncate",
     vocab_size: int | None = None,
 ) -> list[Sample]:
-    """Render ``records`` into samples. Long samples are truncated (counted ``truncated``), dropped
-    (``dropped_too_long``) or raise; samples left with no response token are dropped and counted."""
+    """Render ``records`` into samples (several per record where the renderer splits a conversation
+    per assistant turn, counted ``split_per_turn``). Long samples are truncated (counted
+    ``truncated``), dropped (``dropped_too_long``) or raise; samples left with no response token are
+    dropped and counted."""
     samples = []
     for record in records:
         try:
-            sample = renderer(record)
-            if vocab_size is not None:
-                check_vocabulary(sample, vocab_size, renderer.tokenizer)
-            if sample.truncated and on_long_sample == "raise":
-                raise DataError(
-                    record.source,
-                    f"the sample has {sample.full_length} tokens, more than "
-                    f"max_seq_len={renderer.max_seq_len}",
-                    reason="too_long",
-                )
+            rendered, split = renderer.samples(record)
+            for sample in rendered:
+                if vocab_size is not None:
+                    check_vocabulary(sample, vocab_size, renderer.tokenizer)
+                if sample.truncated and on_long_sample == "raise":
+                    raise DataError(
+                        record.source,
+                        f"the sample has {sample.full_length} tokens, more than "
+                        f"max_seq_len={renderer.max_seq_len}",
+                        reason="too_long",
+                    )
         except DataError as error:
             rejects.handle(error, _record_json(record), counts)
             continue
-        if sample.truncated and on_long_sample == "drop":
-            counts["dropped_too_long"] += 1
-            continue
-        counts["truncated"] += sample.truncated
-        if sample.num_targets == 0:
-            reason = "no_response_after_truncation" if sample.truncated else "no_response_tokens"
-            counts[f"dropped_{reason}"] += 1
-            continue
-        samples.append(sample)
+        counts["split_per_turn"] += split
+        for sample in rendered:
+            if sample.truncated and on_long_sample == "drop":
+                counts["dropped_too_long"] += 1
+                continue
+            counts["truncated"] += sample.truncated
+            if sample.num_targets == 0:
+                reason = "no_response_after_truncation" if sample.truncated else "no_response_tokens"
+                counts[f"dropped_{reason}"] += 1
+                continue
+            samples.append(sample)
     counts["samples"] = len(samples)
     counts["response_tokens"] = sum(s.num_targets for s in samples)
     return samples
