@@ -28,8 +28,8 @@ from lit_instruct.model import (
     parameter_bytes,
 )
 from lit_instruct.moe import RouterAuxLoss
-from lit_instruct.output_head import UnsupportedModelError, output_head
-from lit_instruct.packing import PACKED_ATTENTION, check_packing
+from lit_instruct.output_head import output_head
+from lit_instruct.packing import enable_packing
 from lit_instruct.rng import gather_rng_states, restore_rng_states
 from lit_instruct.summary import FitTotals, fit_summary
 
@@ -105,10 +105,6 @@ class InstructLoRAModule(L.LightningModule):
         base = load_base_model(model, dtype, trust_remote_code, self.quantization, attn_implementation)
         self.logit_transform = output_head(base).transform
         self.router_aux_loss = RouterAuxLoss.of(base)
-        self.attention = base.config._attn_implementation  # no public getter in transformers 5
-        if self.attention in PACKED_ATTENTION:  # same attention; packed rows also stay per sample
-            base.set_attn_implementation(PACKED_ATTENTION[self.attention])
-        self._packing_checked = False
         self.model = attach_lora(base, self.lora_config)
         self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
         if gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
@@ -139,27 +135,19 @@ class InstructLoRAModule(L.LightningModule):
         """The output projection whose weight the loss takes."""
         return self.base_model.get_output_embeddings()
 
-    def check_packing(self) -> None:
-        """Refuse packed batches for a model whose layers would mix packed samples (once).
+    def enable_packing(self) -> None:
+        """Run packed batches' attention sample by sample (checked once; see
+        :func:`lit_instruct.packing.enable_packing`).
 
         Raises:
-            UnsupportedModelError: for an attention implementation that cannot run per sample, or
-                a model whose packed output differs from its samples run alone (recurrent or
-                convolutional token mixers, ...).
+            UnsupportedModelError: for a model that cannot be trained on packed rows exactly.
         """
-        if self._packing_checked:
-            return
-        if self.attention not in PACKED_ATTENTION:
-            raise UnsupportedModelError(
-                f"data.packing needs model.attn_implementation sdpa or eager, not {self.attention!r}"
-            )
-        check_packing(self.base_model)
-        self._packing_checked = True
+        enable_packing(self.base_model)
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if getattr(datamodule, "packing", False):
-            self.check_packing()
+            self.enable_packing()
 
     def trunk(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final (normed) hidden states of the decoder, ``(B, T, H)``, and the router's auxiliary
@@ -171,7 +159,7 @@ class InstructLoRAModule(L.LightningModule):
         decoder = self.base_model.get_decoder()
         extra: dict[str, Any] = {}
         if "packed_segments" in batch:
-            self.check_packing()
+            self.enable_packing()
             extra = {"position_ids": batch["position_ids"], "packed_segments": batch["packed_segments"]}
         if self.router_aux_loss is not None:
             extra["output_router_logits"] = True

@@ -79,9 +79,9 @@ def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tens
         function = _model_eager_attention(module) if additive else sdpa_attention_forward
         window = kwargs.get("sliding_window")
         if packed_segments is None:
-            if additive and attention_mask is None:  # the mask was skipped: one unpadded sample
+            if attention_mask is None:  # the mask was skipped (see _packed_mask): one unpadded row
                 attention_mask = sample_mask(
-                    query.shape[2], key.shape[2], window, True, query.dtype, query.device
+                    query.shape[2], key.shape[2], window, additive, query.dtype, query.device
                 )
             return function(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("is_causal", None)
@@ -129,43 +129,59 @@ class PackCollator:
         }
 
 
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The model's attention implementation (transformers 5 has no public getter for it)."""
+    return model.config._attn_implementation
+
+
 @torch.no_grad()
-def check_packing(model: torch.nn.Module, lengths: Sequence[int] = (5, 3)) -> None:
-    """Check that ``model``'s decoder gives a packed row the hidden states of its samples run alone
-    (eval mode, a few tokens), so that nothing but attention mixes tokens across samples.
+def enable_packing(model: torch.nn.Module, lengths: Sequence[int] = (5, 3)) -> None:
+    """Switch ``model`` to the packing-aware wrapper of its attention, after checking on a few
+    tokens (eval mode) that a packed row gives the hidden states of its samples run alone through
+    the model's own attention, so that nothing but attention mixes tokens across samples.
 
     Raises:
-        UnsupportedModelError: naming the model, when packing would change its output.
+        UnsupportedModelError: naming the model, when its attention implementation cannot run per
+            sample or packing would change its output (the model is left as it was).
     """
     from lit_instruct.output_head import UnsupportedModelError
 
+    own = attention_implementation(model)
+    if own in PACKED_ATTENTION.values():
+        return
+    name = type(model).__name__
+    if own not in PACKED_ATTENTION:
+        raise UnsupportedModelError(
+            f"data.packing needs model.attn_implementation sdpa or eager, not {own!r}"
+        )
     decoder = model.get_decoder()
     device = next(model.parameters()).device
     segments = (0, *itertools.accumulate(lengths))
     ids = (torch.arange(segments[-1], device=device) * 7 + 3) % model.config.get_text_config().vocab_size
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-    name = type(model).__name__
     was_training = model.training
     model.eval()
     try:
-        packed = decoder(
-            input_ids=ids[None], position_ids=positions[None], packed_segments=segments, use_cache=False
-        ).last_hidden_state[0]
         alone = torch.cat(
             [
                 decoder(input_ids=ids[None, s:e], use_cache=False).last_hidden_state[0]
                 for s, e in itertools.pairwise(segments)
             ]
         )
+        model.set_attn_implementation(PACKED_ATTENTION[own])
+        packed = decoder(
+            input_ids=ids[None], position_ids=positions[None], packed_segments=segments, use_cache=False
+        ).last_hidden_state[0]
+        error = float((packed.float() - alone.float()).abs().max())
     except TypeError as failure:  # a layer that takes no packing arguments
-        raise UnsupportedModelError(
-            f"{name} cannot run packed rows ({failure}); set data.packing: false"
-        ) from failure
+        model.set_attn_implementation(own)
+        message = f"{name} cannot run packed rows ({failure}); set data.packing: false"
+        raise UnsupportedModelError(message) from failure
     finally:
         model.train(was_training)
-    error = float((packed.float() - alone.float()).abs().max())
     tolerance = 1e-4 if packed.dtype == torch.float32 else 3e-2
     if not error <= tolerance * max(1.0, float(alone.abs().max())):
+        model.set_attn_implementation(own)
         raise UnsupportedModelError(
             f"{name}: a packed row's hidden states differ from its samples run alone (max difference "
             f"{error:.3g}): its layers mix tokens across samples other than through attention; set "

@@ -103,9 +103,10 @@ def test_loss_and_lora_gradients_equal_the_models_own(family, loss) -> None:
 def test_packed_equals_padded_or_is_refused(family) -> None:
     name, module = family
     if name in NO_PACKING:
-        module._packing_checked = False
         with pytest.raises(UnsupportedModelError, match=r"data\.packing: false"):
-            module.check_packing()
+            module.enable_packing()
+        with pytest.raises(UnsupportedModelError, match=r"data\.packing: false"):
+            module.loss_sum_and_count(PackCollator()(samples()))
         return
     padded_sum, padded_count = module.loss_sum_and_count(PadCollator(0)(samples()))
     packed_sum, packed_count = module.loss_sum_and_count(PackCollator()(samples()))
@@ -175,3 +176,24 @@ def test_the_load_time_check_catches_a_dropped_logit_transform(family) -> None:
         return
     with pytest.raises(UnsupportedModelError, match="differ from the model's own"):
         check_against_model_logits(module.base_model, head)
+
+
+def test_unpacked_rows_keep_the_models_own_attention_once_packing_is_on(family) -> None:
+    """With the packing wrapper installed, batches with no attention mask (generation, previews)
+    still get the model's own causal and sliding-window masks."""
+    name, module = family
+    if name in NO_PACKING:
+        return
+    module.enable_packing()
+    own = load_base_model(module.hparams.model).eval()
+    ids = torch.tensor([samples()[0].input_ids])
+    module.eval()
+    try:
+        with torch.no_grad(), module.model.disable_adapter():
+            assert_relatively_close(module.model(input_ids=ids).logits, own(input_ids=ids).logits)
+            kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            assert torch.equal(
+                module.model.generate(input_ids=ids, **kwargs), own.generate(input_ids=ids, **kwargs)
+            )
+    finally:
+        module.train()
