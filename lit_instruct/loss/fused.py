@@ -56,10 +56,6 @@ class _ChunkGrads:
     weight: torch.Tensor | None
     bias: torch.Tensor | None
 
-    @property
-    def any(self) -> bool:
-        return self.hidden is not None or self.weight is not None or self.bias is not None
-
 
 def _chunk_torch(
     hc: torch.Tensor,
