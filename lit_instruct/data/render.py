@@ -80,10 +80,13 @@ class Sample:
 
 @dataclass(frozen=True)
 class AnswerTurn:
-    """An assistant turn rendered as the model sees it: ``text`` (the conversation through the turn)
-    and the ``[start, end)`` characters it must produce (the answer and its end-of-turn token)."""
+    """An assistant turn rendered as the model sees it: ``text`` (the conversation through the turn),
+    its tokens with their character offsets, and the ``[start, end)`` characters it must produce
+    (the answer and its end-of-turn token)."""
 
     text: str
+    ids: list[int]
+    offsets: list[tuple[int, int]]
     start: int
     end: int
 
@@ -169,23 +172,28 @@ class ChatRenderer:
                 )
             through = self._render(record, i + 1)
             start = common_prefix_length(self._render(record, i, add_generation_prompt=True), through)
-            turns.append(AnswerTurn(through, start, self._answer_end(through, start)))
+            ids, offsets = self._encode(through)
+            # the answer ends with the first special token after its start (the end-of-turn marker)
+            end = next(
+                (
+                    e
+                    for token, (s, e) in zip(ids, offsets, strict=True)
+                    if s >= start and token in self.special_ids
+                ),
+                len(through),
+            )
+            turns.append(AnswerTurn(through, ids, offsets, start, end))
         return turns
 
-    def _answer_end(self, text: str, start: int) -> int:
-        """End of the first special token starting at or after ``start`` (the end-of-turn marker);
-        the end of ``text`` if there is none."""
+    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of ``text`` and their character offsets."""
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        for token, (s, e) in zip(encoding["input_ids"], encoding["offset_mapping"], strict=True):
-            if s >= start and token in self.special_ids:
-                return e
-        return len(text)
+        return encoding["input_ids"], encoding["offset_mapping"]
 
-    def _sample(self, record: Record, text: str, spans: list[tuple[int, int]]) -> Sample:
-        """Tokenize ``text``, label the tokens starting inside ``spans``, truncate to ``max_seq_len``."""
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids: list[int] = encoding["input_ids"]
-        offsets: list[tuple[int, int]] = encoding["offset_mapping"]
+    def _sample(
+        self, record: Record, ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
+    ) -> Sample:
+        """Label the tokens starting inside ``spans``, truncate to ``max_seq_len``."""
         labels = [IGNORE_INDEX] * len(ids)
         for k, (s, _) in enumerate(offsets):
             if any(start <= s < end for start, end in spans):
@@ -212,7 +220,9 @@ class ChatRenderer:
                     "or per_turn (one sample per assistant turn)",
                     reason="template_not_prefix_stable",
                 )
-        return self._sample(record, text, [(t.start, t.end) for t in turns])
+        last = turns[-1] if turns else None  # a prefix-stable template's last turn is the whole text
+        ids, offsets = (last.ids, last.offsets) if last and last.text == text else self._encode(text)
+        return self._sample(record, ids, offsets, [(t.start, t.end) for t in turns])
 
     def samples(self, record: Record) -> tuple[list[Sample], bool]:
         """The record's samples under ``multi_turn``, and whether it was split per turn."""
@@ -223,4 +233,4 @@ class ChatRenderer:
             except DataError as error:
                 if self.multi_turn == "joint" or error.reason != "template_not_prefix_stable":
                     raise
-        return [self._sample(record, t.text, [(t.start, t.end)]) for t in turns], True
+        return [self._sample(record, t.ids, t.offsets, [(t.start, t.end)]) for t in turns], True

@@ -177,14 +177,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         h = hidden.index_select(0, kept)  # (n, H)
         y = labels.index_select(0, kept)  # (n,)
         n, vocab = len(kept), weight.shape[0]
-        softcapped = transform.softcap is not None
-        chunk = chunk_size or default_chunk_size(vocab, buffers=2 if softcapped else 1)
         use_triton = _resolve_backend(backend, hidden.device) == "triton"
+        keeps_slope = transform.softcap is not None and not use_triton  # the kernel needs no buffer for it
+        chunk = chunk_size or default_chunk_size(vocab, buffers=2 if keeps_slope else 1)
         size, device = min(chunk, n) * vocab, hidden.device
         buffer = torch.empty(size, dtype=hidden.dtype if use_triton else torch.float32, device=device)
-        slope = (
-            torch.empty(size, dtype=torch.float32, device=device) if softcapped and not use_triton else None
-        )
+        slope = torch.empty(size, dtype=torch.float32, device=device) if keeps_slope else None
         loss = torch.zeros((), dtype=torch.float32, device=device)
         grad_h = torch.empty_like(h) if need[0] else None  # (n, H)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need[1] else None
