@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from lit_instruct.data.render import IGNORE_INDEX
 from lit_instruct.loss.fused import fused_linear_cross_entropy
+from lit_instruct.loss.logits import LogitTransform
 from lit_instruct.loss.reference import reference_linear_cross_entropy
 
 # bf16: logits are rounded to bf16 before the fp32 softmax in both implementations, and grad_hidden
@@ -123,3 +124,38 @@ def test_fused_with_triton_backend_equals_reference(interpreted_triton) -> None:
     ref = loss_and_grads(reference_linear_cross_entropy, *case)
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize(
+    "transform",
+    [LogitTransform(scale=0.25), LogitTransform(softcap=1.5), LogitTransform(scale=2.0, softcap=3.0)],
+    ids=["scale", "softcap", "scale+softcap"],
+)
+def test_bias_and_logit_transform_equal_float64_cross_entropy(backend, transform) -> None:
+    """Every gradient, the trainable bias's included, against autograd through the materialized,
+    transformed float64 logits."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    hidden, weight, labels = (t.to(DEVICE) for t in make_case(41, 16, 300, 0.3, torch.float32, seed=7))
+    bias = torch.randn(300, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+
+    def grads(fn, dtype):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss = fn(*leaves)
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    ours = grads(
+        lambda h, w, b: fused_linear_cross_entropy(
+            h, w, labels, bias=b, transform=transform, reduction="sum", chunk_size=7, backend=backend
+        ),
+        torch.float32,
+    )
+    plain = grads(
+        lambda h, w, b: F.cross_entropy(
+            transform(h @ w.T + b), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        ),
+        torch.float64,
+    )
+    for a, b in zip(ours, plain, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-5)
