@@ -1,4 +1,4 @@
-"""ModelCheckpoint that also writes, next to each kept checkpoint, its PEFT adapter folder.
+"""ModelCheckpoint that also keeps, next to each checkpoint it keeps, its PEFT adapter folder.
 
 Example::
 
@@ -10,14 +10,22 @@ Example::
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lit_instruct.export import save_adapter
+
+SAVING_HOOKS = frozenset(
+    {"on_train_batch_end", "on_train_epoch_end", "on_validation_end", "on_exception", "on_train_end"}
+)
+"""The public hooks in which ``ModelCheckpoint`` may save or remove checkpoints (a test checks that
+it overrides no other)."""
 
 
 class AdapterCheckpoint(ModelCheckpoint):
@@ -27,7 +35,16 @@ class AdapterCheckpoint(ModelCheckpoint):
     ``adapter_model.safetensors``, written atomically, loadable with ``PeftModel.from_pretrained``),
     and loses it when the checkpoint is rotated out. So the best adapter is a folder a user can load
     without Lightning. The module needs a PEFT ``model`` attribute (``InstructLoRAModule`` has one).
+
+    Only public API: after each hook in which ``ModelCheckpoint`` saves, the adapter folders are
+    brought in line with the checkpoint files it keeps (``best_k_models``, ``best_model_path``,
+    ``last_model_path``): a new or rewritten file gets the adapter of the weights it was just written
+    from, a removed one loses its folder.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._adapters: dict[str, tuple[int, int]] = {}  # checkpoint -> its (inode, mtime) when adapted
 
     @staticmethod
     def adapter_dir(checkpoint_path: str | Path) -> Path:
@@ -35,14 +52,50 @@ class AdapterCheckpoint(ModelCheckpoint):
         path = Path(checkpoint_path)
         return path.with_name(path.stem + "-adapter")
 
-    @override
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)
-        if trainer.is_global_zero:
-            save_adapter(trainer.lightning_module.model, self.adapter_dir(filepath))
+    def _kept(self) -> set[str]:
+        return {str(p) for p in (*self.best_k_models, self.best_model_path, self.last_model_path) if p}
+
+    def sync_adapters(self, trainer: L.Trainer) -> None:
+        """Write the adapter of each kept checkpoint file that is new or rewritten since the last
+        call, and remove the adapters of checkpoint files that are gone (rank 0)."""
+        if not trainer.is_global_zero:
+            return
+        for path in [p for p in self._adapters if not os.path.exists(p)]:
+            shutil.rmtree(self.adapter_dir(path), ignore_errors=True)
+            del self._adapters[path]
+        for path in self._kept():
+            if not os.path.isfile(path):
+                continue
+            stat = os.stat(path)
+            if self._adapters.get(path) != (stat.st_ino, stat.st_mtime_ns):
+                save_adapter(trainer.lightning_module.model, self.adapter_dir(path))
+                self._adapters[path] = (stat.st_ino, stat.st_mtime_ns)
 
     @override
-    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        super()._remove_checkpoint(trainer, filepath)
-        if trainer.is_global_zero:
-            shutil.rmtree(self.adapter_dir(filepath), ignore_errors=True)
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.sync_adapters(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self.sync_adapters(trainer)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self.sync_adapters(trainer)
+
+    @override
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self.sync_adapters(trainer)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self.sync_adapters(trainer)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import log_dir, log_image, pyplot
+from lit_instruct.callbacks.shared import figure, log_dir, log_image
 
 PHASES = ("forward", "loss", "lm_head_backward", "layer_backward", "optimizer", "step")
 """Step phases: decoder trunk forward; loss (with a fused loss, its in-forward lm_head backward too);
@@ -250,10 +250,8 @@ class LayerProfiler(L.Callback):
 
 def plot_layer_profile(phases: dict[str, float], layers: list[dict[str, float]], path: Path) -> Path:
     """A PNG: per-layer forward/backward bars, and the step's phases."""
-    plt = pyplot()
-    fig, (by_layer, by_phase) = plt.subplots(
-        1, 2, figsize=(12, 0.25 * len(layers) + 2.5), width_ratios=(3, 2)
-    )
+    fig = figure(figsize=(12, 0.25 * len(layers) + 2.5))
+    by_layer, by_phase = fig.subplots(1, 2, width_ratios=(3, 2))
     index = [row["layer"] for row in layers]
     forward = [row["forward_ms"] for row in layers]
     by_layer.barh(index, forward, label="forward")
@@ -267,5 +265,4 @@ def plot_layer_profile(phases: dict[str, float], layers: list[dict[str, float]],
     by_phase.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import log_dir, log_image, pyplot
+from lit_instruct.callbacks.shared import figure, log_dir, log_image
 
 
 class LossCurves(L.Callback):
@@ -57,8 +57,8 @@ class LossCurves(L.Callback):
 
     def plot(self, path: Path) -> Path:
         """Draw the curves collected so far to ``path``."""
-        plt = pyplot()
-        fig, (loss_axis, speed_axis) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+        fig = figure(figsize=(8, 6.5))
+        loss_axis, speed_axis = fig.subplots(2, 1, sharex=True, height_ratios=(2, 1))
         if self.train:
             steps, losses, speeds = zip(*self.train, strict=True)
             loss_axis.plot(steps, losses, label="train/loss", alpha=0.8)
@@ -73,7 +73,6 @@ class LossCurves(L.Callback):
         speed_axis.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
     @override

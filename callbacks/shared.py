@@ -1,4 +1,4 @@
-"""Helpers shared by the callbacks: a headless pyplot, images to W&B, where logs and checkpoints go."""
+"""Helpers shared by the callbacks: figures, images to W&B, where logs and checkpoints go."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
 
-def pyplot() -> Any:
-    """``matplotlib.pyplot`` on the file-only Agg backend (no display needed)."""
-    import matplotlib
+def figure(**kwargs: Any) -> Any:
+    """A ``matplotlib.figure.Figure`` that draws straight to files: no pyplot, no global backend
+    switch, nothing left open (the user's own plotting keeps its backend)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure(**kwargs)
 
 
 def log_image(trainer: L.Trainer, key: str, path: Path) -> None:

@@ -1,10 +1,25 @@
-"""lit-instruct: instruction fine-tuning of causal LMs with LoRA, as a first-class Lightning citizen."""
+"""lit-instruct: instruction fine-tuning of causal LMs with LoRA, as a first-class Lightning citizen.
 
-from lit_instruct.data.datamodule import InstructDataModule
-from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
-from lit_instruct.model import LoRAConfig
-from lit_instruct.module import InstructLoRAModule
-from lit_instruct.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
+The names below are imported on first use, so that ``import lit_instruct.loss`` (torch only) does
+not pull in ``transformers`` and Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "FusedCEDDPStrategy": "lit_instruct.strategy",
+    "FusedCESingleDeviceStrategy": "lit_instruct.strategy",
+    "FusedLinearCrossEntropy": "lit_instruct.loss.fused",
+    "InstructDataModule": "lit_instruct.data.datamodule",
+    "InstructLoRAModule": "lit_instruct.module",
+    "LoRAConfig": "lit_instruct.model",
+    "fused_linear_cross_entropy": "lit_instruct.loss.fused",
+}
 
 __all__ = [
     "FusedCEDDPStrategy",
@@ -13,6 +28,19 @@ __all__ = [
     "InstructDataModule",
     "InstructLoRAModule",
     "LoRAConfig",
+    "__version__",
     "fused_linear_cross_entropy",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from lit_instruct.data.datamodule import InstructDataModule
+    from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
+    from lit_instruct.model import LoRAConfig
+    from lit_instruct.module import InstructLoRAModule
+    from lit_instruct.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lit_instruct' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -52,7 +52,8 @@ class ConfigToLoggers(SaveConfigCallback):
 
 
 class InstructCLI(LightningCLI):
-    """LightningCLI for instruction tuning: the datamodule's tokenizer follows ``model.model``.
+    """LightningCLI for instruction tuning: the datamodule's tokenizer follows ``model.model``, and
+    the model is built for packed rows when ``data.packing`` is on.
 
     ``fit`` measures ``val/loss`` before training (``--validate_before_fit``, on by default) and
     after it, and prints both with where the adapter went.
@@ -72,6 +73,7 @@ class InstructCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model", "data.tokenizer")
+        parser.link_arguments("data.packing", "model.packing")
         parser.add_argument(
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )

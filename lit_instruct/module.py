@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
+from lit_instruct.batch import num_response_tokens, num_tokens
+from lit_instruct.callbacks.fit_report import FitReport
+from lit_instruct.callbacks.rng_states import RestoreRNGStates
+from lit_instruct.callbacks.throughput import TokensPerSecond
 from lit_instruct.export import save_adapter
-from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.model import (
     AttnImplementation,
@@ -25,13 +25,14 @@ from lit_instruct.model import (
     QuantizationConfig,
     attach_lora,
     load_base_model,
-    parameter_bytes,
 )
 from lit_instruct.moe import RouterAuxLoss
 from lit_instruct.output_head import output_head
 from lit_instruct.packing import enable_packing
-from lit_instruct.rng import gather_rng_states, restore_rng_states
-from lit_instruct.summary import FitTotals, fit_summary
+from lit_instruct.strategy import register_strategies
+from lit_instruct.window import TokenWindow, gradient_factor, scale_gradients
+
+register_strategies()  # `Trainer(strategy="fused_ce")` and YAML configs name them once the module is in use
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
@@ -55,6 +56,9 @@ class InstructLoRAModule(L.LightningModule):
     full ``[tokens, vocab]`` logits are never asked for, and a strategy may swap ``loss_fn`` for a
     fused implementation. MoE models whose forward adds the router's auxiliary loss get it added too.
 
+    The module brings its own callbacks (:meth:`configure_callbacks`): ``train/tokens_per_s``, RNG
+    states in checkpoints for exact resumes, and the fit report.
+
     Args:
         model: bundled name (``smollm2-135m-instruct``), local folder, or hub id.
         dtype: dtype of the base weights.
@@ -75,6 +79,9 @@ class InstructLoRAModule(L.LightningModule):
         attn_implementation: ``auto`` (what ``transformers`` picks for the family: SDPA, or eager
             where SDPA cannot do the family's attention), ``sdpa``, ``eager``, or another
             ``transformers`` implementation (packed batches need ``sdpa`` or ``eager``).
+        packing: build the model for packed rows (``data.packing``; the CLI links the two): its
+            attention runs sample by sample, after a check at build time that a packed row gives
+            what its samples give alone (:func:`lit_instruct.packing.enable_packing`).
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class InstructLoRAModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         compile_layers: bool = False,
         attn_implementation: AttnImplementation = "auto",
+        packing: bool = False,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
@@ -103,6 +111,9 @@ class InstructLoRAModule(L.LightningModule):
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
         base = load_base_model(model, dtype, trust_remote_code, self.quantization, attn_implementation)
+        if packing:
+            enable_packing(base)
+        self.packing = packing
         self.logit_transform = output_head(base).transform
         self.router_aux_loss = RouterAuxLoss.of(base)
         self.model = attach_lora(base, self.lora_config)
@@ -113,17 +124,15 @@ class InstructLoRAModule(L.LightningModule):
             for layer in self.base_model.get_decoder().layers:
                 layer.compile(dynamic=True)
         self.loss_fn: LossFn = reference_linear_cross_entropy
+        self.window = TokenWindow()
         self.val_loss = MeanMetric()
         self.val_tokens = SumMetric()
         self.tokens_seen = 0
         self.response_tokens_seen = 0
-        self.best_val: tuple[float, int] | None = None  # (val/loss, step)
         self.last_val_step: int | None = None
-        self._fit_started = 0.0
-        self._step_started = 0.0
-        self._batch_tokens = 0
-        self._window_loss, self._window_count, self._window_tokens = torch.zeros(()), 0, 0  # this rank's
-        self._rng_to_restore: list[dict[str, Any]] | None = None
+        self.saved_adapter: Path | None = None
+
+    # -- the model ------------------------------------------------------------------------------
 
     @property
     def base_model(self) -> nn.Module:
@@ -131,35 +140,36 @@ class InstructLoRAModule(L.LightningModule):
         return self.model.get_base_model()
 
     @property
-    def lm_head(self) -> nn.Module:
+    def lm_head(self) -> nn.Linear:
         """The output projection whose weight the loss takes."""
         return self.base_model.get_output_embeddings()
 
-    def enable_packing(self) -> None:
-        """Run packed batches' attention sample by sample (checked once; see
-        :func:`lit_instruct.packing.enable_packing`).
-
-        Raises:
-            UnsupportedModelError: for a model that cannot be trained on packed rows exactly.
-        """
-        enable_packing(self.base_model)
-
     def setup(self, stage: str) -> None:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if getattr(datamodule, "packing", False):
-            self.enable_packing()
+        if getattr(getattr(self.trainer, "datamodule", None), "packing", False) and not self.packing:
+            raise ValueError(
+                "data.packing is on but the model was built without packing: pass "
+                "InstructLoRAModule(packing=True) (the CLI links data.packing to model.packing)"
+            )
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Throughput, RNG states for exact resumes, and the fit report (replacing any the Trainer
+        was given of the same types)."""
+        return [TokensPerSecond(), RestoreRNGStates(), FitReport()]
+
+    # -- steps ----------------------------------------------------------------------------------
 
     def trunk(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final (normed) hidden states of the decoder, ``(B, T, H)``, and the router's auxiliary
         loss (MoE models whose forward adds it; else ``None``).
 
-        A packed batch (:class:`~lit_instruct.packing.PackCollator`) has no attention mask but
+        A packed batch (:class:`~lit_instruct.data.collate.PackCollator`) has no attention mask but
         position ids and sample boundaries; its attention then runs sample by sample.
         """
         decoder = self.base_model.get_decoder()
         extra: dict[str, Any] = {}
         if "packed_segments" in batch:
-            self.enable_packing()
+            if not self.packing:
+                raise ValueError("a packed batch reached a model built without packing=True")
             extra = {"position_ids": batch["position_ids"], "packed_segments": batch["packed_segments"]}
         if self.router_aux_loss is not None:
             extra["output_router_logits"] = True
@@ -174,22 +184,21 @@ class InstructLoRAModule(L.LightningModule):
         """Final (normed) hidden states of the decoder trunk, ``(B, T, H)``."""
         return self.trunk(batch)[0]
 
-    def loss_sum_and_count(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    def loss_sum_and_count(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
         """Sum of CE over response-token predictions of ``batch``, and how many there are."""
         return self._losses(batch)[:2]
 
-    def _losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    def _losses(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         hidden, aux = self.trunk(batch)  # (B, T, H)
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
         labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
-        count = int((labels != IGNORE_INDEX).sum())
         head = self.lm_head
         loss_sum = self.loss_fn(
             shifted, head.weight, labels, bias=head.bias, transform=self.logit_transform, reduction="sum"
         )
-        return loss_sum, count, aux
+        return loss_sum, num_response_tokens(batch), aux
 
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """The micro-batch's *summed* loss; :meth:`on_before_optimizer_step` divides the window's
         gradient by the response-token count of the whole window on all ranks.
 
@@ -197,46 +206,27 @@ class InstructLoRAModule(L.LightningModule):
         that is the model's own ``mean CE + coefficient * aux`` (token-weighted over the window).
         """
         loss_sum, count, aux = self._losses(batch)
-        if aux is not None:
+        if aux is not None and self.router_aux_loss is not None:
             self.log("train/aux_loss", aux.detach().float(), batch_size=1)
             loss_sum = loss_sum + self.router_aux_loss.coefficient * aux * count
-        self._window_loss = self._window_loss + loss_sum.detach().float()
-        self._window_count += count
-        tokens = (
-            int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
-        )
-        self._window_tokens += tokens
-        self._batch_tokens = tokens
+        self.window.add(loss_sum, count, num_tokens(batch))
         return loss_sum
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the step's gradient that of sum(CE) / count over the whole window, all ranks.
-
-        Lightning divided each micro-batch's loss by ``accumulate_grad_batches`` and DDP averaged
-        over ranks; undo both and divide by the all-reduced count instead, before any clipping, so
-        every response token weighs the same whatever the accumulation, rank or batch it is in.
-        """
-        window = torch.tensor([0.0, self._window_count, self._window_tokens], device=self.device)
-        window[0] = self._window_loss
-        loss_sum, count, tokens = self.trainer.strategy.reduce(window, reduce_op="sum").tolist()
-        self._window_loss, self._window_count, self._window_tokens = torch.zeros(()), 0, 0
-        self.tokens_seen += int(tokens)
-        self.response_tokens_seen += int(count)
-        factor = self.trainer.accumulate_grad_batches * self.trainer.world_size / max(count, 1.0)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
-        self.log("train/loss", loss_sum / max(count, 1.0), prog_bar=True, batch_size=1)
-        self.log("train/response_tokens", count, batch_size=1)
+        """Make the step's gradient that of sum(CE) / count over the whole window, all ranks, before
+        any clipping (:mod:`lit_instruct.window`); log the window's token-weighted loss."""
+        totals = self.window.close(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"), self.device)
+        trainer = self.trainer
+        factor = gradient_factor(totals.response_tokens, trainer.accumulate_grad_batches, trainer.world_size)
+        scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
+        self.tokens_seen += totals.tokens
+        self.response_tokens_seen += totals.response_tokens
+        self.log("train/loss", totals.loss, prog_bar=True, batch_size=1)
+        self.log("train/response_tokens", float(totals.response_tokens), batch_size=1)
         self.log("train/tokens", float(self.tokens_seen), batch_size=1)
         self.log("train/lr", optimizer.param_groups[0]["lr"], prog_bar=True, batch_size=1)
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        elapsed = time.perf_counter() - self._step_started
-        self.log("train/tokens_per_s", self._batch_tokens / max(elapsed, 1e-9), prog_bar=True, batch_size=1)
+    # -- validation metrics ---------------------------------------------------------------------
 
     def on_validation_epoch_start(self) -> None:
         # Reset here, under the loop's own grad mode: states made under inference mode (a
@@ -244,7 +234,7 @@ class InstructLoRAModule(L.LightningModule):
         self.val_loss.reset()
         self.val_tokens.reset()
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         loss_sum, count = self.loss_sum_and_count(batch)
         if count:
             self.val_loss.update(loss_sum / count, weight=count)
@@ -258,23 +248,21 @@ class InstructLoRAModule(L.LightningModule):
         self.log_dict(metrics, sync_dist=True)  # equal on every rank already (torchmetrics syncs)
         if not self.trainer.sanity_checking:
             self.last_val_step = self.global_step
-            if self.trainer.state.fn == TrainerFn.FITTING and (
-                self.best_val is None or loss < self.best_val[0]
-            ):
-                self.best_val = (float(loss), self.global_step)
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    # -- optimizer ------------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
+        hparams = self.hparams
         optimizer = torch.optim.AdamW(
-            params,
-            lr=self.hparams.learning_rate,
-            betas=self.hparams.betas,
-            weight_decay=self.hparams.weight_decay,
+            params, lr=hparams["learning_rate"], betas=hparams["betas"], weight_decay=hparams["weight_decay"]
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = warmup_cosine(self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
+        schedule = warmup_cosine(hparams["warmup_steps"], total, hparams["min_lr_ratio"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- checkpoints and the adapter ------------------------------------------------------------
 
     def _trainable_names(self) -> set[str]:
         return {name for name, p in self.named_parameters() if p.requires_grad}
@@ -285,12 +273,9 @@ class InstructLoRAModule(L.LightningModule):
         return {k: v for k, v in self.state_dict().items() if k in names}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep only the trainable (adapter) weights, the frozen base is reloaded from ``model``; add
-        every rank's RNG states (LoRA dropout), so that a resumed run draws the same masks."""
+        """Keep only the trainable (adapter) weights: the frozen base is reloaded from ``model``."""
         checkpoint["state_dict"] = self.trainable_state_dict()
         checkpoint["tokens_seen"] = (self.tokens_seen, self.response_tokens_seen)
-        if self.trainer.state.fn == TrainerFn.FITTING:
-            checkpoint["rng_states"] = gather_rng_states()  # collective: every rank dumps checkpoints
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Complete the stored adapter weights with the frozen base already loaded, so that loading
@@ -299,50 +284,16 @@ class InstructLoRAModule(L.LightningModule):
         base = {k: v for k, v in self.state_dict().items() if k not in trainable}
         checkpoint["state_dict"] = {**base, **checkpoint["state_dict"]}
         self.tokens_seen, self.response_tokens_seen = checkpoint.get("tokens_seen", (0, 0))
-        self._rng_to_restore = checkpoint.get("rng_states")
-
-    def on_train_start(self) -> None:
-        """Put back the checkpoint's RNG states right before the first resumed step."""
-        states, self._rng_to_restore = self._rng_to_restore, None
-        if states is None:
-            return
-        if len(states) != self.trainer.world_size:
-            rank_zero_warn(
-                f"the checkpoint has RNG states of {len(states)} ranks, not {self.trainer.world_size}"
-            )
-            return
-        restore_rng_states(states[self.global_rank])
-
-    def on_fit_start(self) -> None:
-        self._fit_started = time.perf_counter()
-        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in self.parameters())
-        base = parameter_bytes(self.model)
-        rank_zero_info(
-            f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}); "
-            f"base weights {base['total'] / 1e6:.1f} MB "
-            f"(4-bit linear layers {base['quantized_linear'] / 1e6:.1f} MB)"
-        )
-        metrics = {
-            "model/trainable_params": float(trainable),
-            "model/base_bytes": float(base["total"]),
-            "model/quantized_linear_bytes": float(base["quantized_linear"]),
-        }
-        for logger in self.loggers:
-            logger.log_metrics(metrics, step=0)
 
     def adapter_path(self) -> Path:
         """Where the adapter is written: ``adapter_dir``, else ``<log dir>/adapter``."""
-        if self.hparams.adapter_dir:
-            return Path(self.hparams.adapter_dir)
+        if self.hparams["adapter_dir"]:
+            return Path(self.hparams["adapter_dir"])
         trainer = self.trainer
         return Path(trainer.log_dir or trainer.default_root_dir) / "adapter"
 
     def on_fit_end(self) -> None:
+        """Write the PEFT adapter (rank 0, atomically)."""
         path = self.adapter_path()  # on every rank: the log directory is broadcast from rank 0
         if self.trainer.is_global_zero:
-            path = save_adapter(self.model, path)
-            best_loss, best_step = self.best_val or (None, None)
-            seconds = time.perf_counter() - self._fit_started
-            totals = FitTotals(seconds, self.tokens_seen, self.response_tokens_seen, best_loss, best_step)
-            rank_zero_info(fit_summary(self.trainer, totals, path))
+            self.saved_adapter = save_adapter(self.model, path)

@@ -1,8 +1,7 @@
 """Padding-free packing: a micro-batch's samples in one row, with attention kept inside each sample.
 
-:class:`PackCollator` concatenates the samples (position ids restart at 0 for each one, the first
-label of each is ignored so that no sample predicts the next one's first token) and records the
-sample boundaries as ``packed_segments``. The module hands them to the decoder, whose attention is
+:class:`~lit_instruct.data.collate.PackCollator` concatenates the samples and records their
+boundaries as ``packed_segments``. The module hands them to the decoder, whose attention is
 :func:`packed_attention` around the model's own attention function (SDPA, or the family's eager
 one): it runs sample by sample, each with the mask the model would give it alone (causal, and the
 layer's sliding window), and with everything else the layer passes (scaling, soft-capping, sinks),
@@ -21,9 +20,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
-
-from lit_instruct.data.render import Sample
-from lit_instruct.labels import IGNORE_INDEX
 
 PACKED_ATTENTION = {"sdpa": "lit_packed_sdpa", "eager": "lit_packed_eager"}
 """The model's attention implementation -> its packing-aware wrapper (registered in transformers)."""
@@ -110,27 +106,13 @@ for _inner, _name in PACKED_ATTENTION.items():
     AttentionMaskInterface.register(_name, _packed_mask(sdpa_mask if _inner == "sdpa" else eager_mask))
 
 
-class PackCollator:
-    """Samples -> one padding-free row: ``input_ids``, ``labels``, ``position_ids`` of shape
-    ``(1, total tokens)`` and ``packed_segments`` (sample boundaries ``0, n1, n1+n2, ...``)."""
-
-    def __call__(self, samples: list[Sample]) -> dict[str, Any]:
-        input_ids, labels, positions, segments = [], [], [], [0]
-        for sample in samples:
-            input_ids += sample.input_ids
-            labels += [IGNORE_INDEX, *sample.labels[1:]]  # never predicted from the previous sample
-            positions += range(len(sample.input_ids))
-            segments.append(len(input_ids))
-        return {
-            "input_ids": torch.tensor([input_ids]),
-            "labels": torch.tensor([labels]),
-            "position_ids": torch.tensor([positions]),
-            "packed_segments": tuple(segments),
-        }
-
-
 def attention_implementation(model: torch.nn.Module) -> str:
-    """The model's attention implementation (transformers 5 has no public getter for it)."""
+    """The model's attention implementation (``sdpa``, ``eager``, ...).
+
+    The one private read of ``transformers`` in lit-instruct: version 5 sets it with the public
+    ``set_attn_implementation`` but has no public getter. ``tests/test_packing.py`` checks that the
+    two agree, so a change in ``transformers`` fails there first.
+    """
     return model.config._attn_implementation
 
 

@@ -1,6 +1,7 @@
 """Strategies that swap the module's loss for the fused linear cross-entropy, and do nothing else.
 
-``trainer.strategy: fused_ce`` (one device) or ``fused_ce_ddp`` (DDP) in YAML, or
+``trainer.strategy: fused_ce`` (one device) or ``fused_ce_ddp`` (DDP) in YAML (registered by name
+when :mod:`lit_instruct.module` is imported), or
 ``Trainer(strategy=FusedCESingleDeviceStrategy(chunk_size=256))`` in Python. The module trains the
 same without them, on its reference loss.
 """
@@ -41,23 +42,42 @@ class FusedCEMixin:
 
 
 class FusedCESingleDeviceStrategy(FusedCEMixin, SingleDeviceStrategy):
-    """One device with the fused loss; the device follows the Trainer's accelerator and devices."""
+    """One device with the fused loss; the device follows the Trainer's accelerator and devices
+    unless one is given here.
+
+    Raises:
+        ValueError: when the Trainer asks for more than one device (use ``fused_ce_ddp``).
+    """
 
     strategy_name = "fused_ce"
 
     def __init__(self, device: str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(device=device or "cpu", **kwargs)
-        self._device_given = device is not None
+        self._given = torch.device(device) if device is not None else None
+        self._chosen: torch.device | None = None  # what the Trainer chose
 
     @property
+    def root_device(self) -> torch.device:
+        return self._given or self._chosen or super().root_device
+
+    # Lightning's accelerator connector hands the devices it chose from ``accelerator`` / ``devices``
+    # to any strategy with a ``parallel_devices`` attribute, and reads it back when the strategy was
+    # given one (``_AcceleratorConnector._lazy_init_strategy``). A single-device strategy instance has
+    # no other way to learn them; ``tests/test_strategy.py`` fails if Lightning stops doing this.
+    @property
     def parallel_devices(self) -> list[torch.device] | None:
-        """Set by the Trainer: the root device is the first of the devices it chose."""
-        return [self.root_device] if self._device_given else None
+        """The given device, else ``None`` so that the Trainer fills it in."""
+        return [self._given] if self._given is not None else None
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        if devices and not self._device_given:
-            self._root_device = devices[0]
+        if devices and len(devices) > 1:
+            raise ValueError(
+                f"strategy fused_ce runs on one device, but the Trainer asks for {len(devices)} "
+                f"({', '.join(map(str, devices))}): use strategy fused_ce_ddp for several"
+            )
+        if devices:
+            self._chosen = devices[0]
 
 
 class FusedCEDDPStrategy(FusedCEMixin, DDPStrategy):
@@ -70,7 +90,5 @@ def register_strategies() -> None:
     """Register ``fused_ce`` and ``fused_ce_ddp`` in Lightning's strategy registry (idempotent)."""
     for cls in (FusedCESingleDeviceStrategy, FusedCEDDPStrategy):
         if cls.strategy_name not in StrategyRegistry:
-            StrategyRegistry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
-
-
-register_strategies()
+            description = (cls.__doc__ or cls.strategy_name).splitlines()[0]
+            StrategyRegistry.register(cls.strategy_name, cls, description=description)

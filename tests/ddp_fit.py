@@ -22,7 +22,7 @@ import torch
 from lit_instruct.callbacks import GenerationPreview, SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.model import LoRAConfig
-from tests.faults import FaultyModule, Recorder
+from tests.helpers import FaultyModule, Recorder
 
 
 def main(args: dict) -> None:

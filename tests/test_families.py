@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from lit_instruct.data.collate import PadCollator
-from lit_instruct.data.render import IGNORE_INDEX, Sample
+from lit_instruct.data.collate import PackCollator, PadCollator
+from lit_instruct.data.render import Sample
+from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.logits import IDENTITY
 from lit_instruct.loss.reference import reference_linear_cross_entropy
@@ -25,7 +26,6 @@ from lit_instruct.output_head import (
     check_against_model_logits,
     logit_transform,
 )
-from lit_instruct.packing import PackCollator
 from tests.families import FAMILIES, WINDOW, build_family
 
 VOCAB = 49152
@@ -100,19 +100,27 @@ def test_loss_and_lora_gradients_equal_the_models_own(family, loss) -> None:
     assert any(g.abs().max() > 0 for g in expected_grads.values())
 
 
+def packed_twin(module: InstructLoRAModule) -> InstructLoRAModule:
+    """The same model and adapter weights, built for packed rows."""
+    twin = InstructLoRAModule(model=module.hparams.model, lora=LoRAConfig(r=4, alpha=8), packing=True)
+    twin.load_state_dict(module.state_dict())
+    return twin
+
+
 def test_packed_equals_padded_or_is_refused(family) -> None:
     name, module = family
     if name in NO_PACKING:
         with pytest.raises(UnsupportedModelError, match=r"data\.packing: false"):
-            module.enable_packing()
-        with pytest.raises(UnsupportedModelError, match=r"data\.packing: false"):
+            packed_twin(module)
+        with pytest.raises(ValueError, match="without packing=True"):
             module.loss_sum_and_count(PackCollator()(samples()))
         return
+    twin = packed_twin(module)
     padded_sum, padded_count = module.loss_sum_and_count(PadCollator(0)(samples()))
-    packed_sum, packed_count = module.loss_sum_and_count(PackCollator()(samples()))
+    packed_sum, packed_count = twin.loss_sum_and_count(PackCollator()(samples()))
     assert packed_count == padded_count
     assert_relatively_close(packed_sum, padded_sum)
-    padded, packed = lora_grads(module, padded_sum), lora_grads(module, packed_sum)
+    padded, packed = lora_grads(module, padded_sum), lora_grads(twin, packed_sum)
     for key, grad in packed.items():
         assert_relatively_close(grad, padded[key], f"{name} {key}")
 
@@ -184,16 +192,12 @@ def test_unpacked_rows_keep_the_models_own_attention_once_packing_is_on(family) 
     name, module = family
     if name in NO_PACKING:
         return
-    module.enable_packing()
+    module = packed_twin(module).eval()
     own = load_base_model(module.hparams.model).eval()
     ids = torch.tensor([samples()[0].input_ids])
-    module.eval()
-    try:
-        with torch.no_grad(), module.model.disable_adapter():
-            assert_relatively_close(module.model(input_ids=ids).logits, own(input_ids=ids).logits)
-            kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
-            assert torch.equal(
-                module.model.generate(input_ids=ids, **kwargs), own.generate(input_ids=ids, **kwargs)
-            )
-    finally:
-        module.train()
+    with torch.no_grad(), module.model.disable_adapter():
+        assert_relatively_close(module.model(input_ids=ids).logits, own(input_ids=ids).logits)
+        kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert torch.equal(
+            module.model.generate(input_ids=ids, **kwargs), own.generate(input_ids=ids, **kwargs)
+        )

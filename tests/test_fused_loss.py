@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_instruct.data.render import IGNORE_INDEX
+from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.fused import fused_linear_cross_entropy
 from lit_instruct.loss.logits import LogitTransform
 from lit_instruct.loss.reference import reference_linear_cross_entropy
@@ -159,3 +161,31 @@ def test_bias_and_logit_transform_equal_float64_cross_entropy(backend, transform
     )
     for a, b in zip(ours, plain, strict=True):
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ignore_index", [-1, 7], ids=["negative", "a-vocabulary-id"])
+@pytest.mark.parametrize("implementation", ["reference", "torch", "triton"])
+def test_a_non_default_ignore_index_is_honoured(implementation, ignore_index) -> None:
+    """Rows labelled ``ignore_index`` (even a real token id) cost nothing; -100 is not special."""
+    if implementation == "triton":
+        pytest.importorskip("triton")
+    hidden, weight, labels = make_case(40, 16, 200, 0.0, torch.float32, seed=11)
+    labels[::3] = ignore_index
+    labels[1] = 7 if ignore_index == -1 else 8  # a real label next to the ignored ones
+    hidden, weight, labels = hidden.to(DEVICE), weight.to(DEVICE), labels.to(DEVICE)
+    if implementation == "reference":
+        loss = partial(reference_linear_cross_entropy, ignore_index=ignore_index)
+    else:
+        loss = partial(
+            fused_linear_cross_entropy, ignore_index=ignore_index, chunk_size=6, backend=implementation
+        )
+    ours = loss_and_grads(loss, hidden, weight, labels, reduction="sum")
+    plain = loss_and_grads(
+        lambda h, w, y, **kw: F.cross_entropy(h @ w.T, y, ignore_index=ignore_index, reduction="sum"),
+        hidden,
+        weight,
+        labels,
+    )
+    for a, b in zip(ours, plain, strict=True):
+        torch.testing.assert_close(a, b, **TOLERANCES[torch.float32])
+    assert torch.equal(ours[1][labels == ignore_index], torch.zeros_like(ours[1][labels == ignore_index]))

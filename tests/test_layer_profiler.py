@@ -12,7 +12,7 @@ from PIL import Image
 
 from lit_instruct.callbacks import LayerProfiler
 from lit_instruct.callbacks.layer_profiler import PHASES, decoder_layers
-from tests.test_module import make, trainer
+from tests.helpers import make, trainer
 
 
 class HookCounter(L.Callback):
@@ -69,3 +69,25 @@ def test_hooks_only_on_profiled_steps(tiny_model_dir, chat_file, tmp_path) -> No
     _, layers = decoder_layers(module)
     assert all(not layer._forward_hooks and not layer._forward_pre_hooks for layer in layers)
     assert (tmp_path / "profile" / "layer_profile.png").is_file()
+
+
+def test_charts_leave_the_process_matplotlib_backend_alone(tmp_path) -> None:
+    import matplotlib
+
+    from lit_instruct.callbacks import LossCurves
+    from lit_instruct.callbacks.layer_profiler import plot_layer_profile
+
+    previous = matplotlib.get_backend()
+    matplotlib.use("svg")  # a user's own choice, which drawing our charts must not change
+    try:
+        layers = [{"layer": 0, "forward_ms": 1.0, "backward_ms": 2.0}]
+        plot_layer_profile({"forward_ms": 1.0, "step_ms": 3.0}, layers, tmp_path / "layers.png")
+        curves = LossCurves()
+        curves.train, curves.val = [(1, 2.0, 100.0), (2, 1.5, 110.0)], [(2, 1.7)]
+        curves.plot(tmp_path / "curves.png")
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(previous)
+    for name in ("layers.png", "curves.png"):
+        with Image.open(tmp_path / name) as image:
+            assert image.format == "PNG" and image.size[0] > 100

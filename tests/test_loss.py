@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.records import Message, Record
-from lit_instruct.data.render import IGNORE_INDEX, ChatRenderer
+from lit_instruct.data.render import ChatRenderer
+from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.reference import reference_linear_cross_entropy
 from lit_instruct.model import LoRAConfig
 from lit_instruct.module import InstructLoRAModule

@@ -3,53 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lit_instruct.data.datamodule import InstructDataModule
-from lit_instruct.model import LoRAConfig
 from lit_instruct.module import InstructLoRAModule
-
-
-def make(
-    tiny_model_dir: Path,
-    chat_file: Path,
-    module_cls: type = InstructLoRAModule,
-    batch_size: int = 3,
-    **kwargs,
-) -> tuple[InstructLoRAModule, InstructDataModule]:
-    """The tiny model with small LoRA adapters (``kwargs`` override the module's defaults) and its data."""
-    L.seed_everything(0)
-    defaults = dict(
-        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2, warmup_steps=0
-    )
-    module = module_cls(**{**defaults, **kwargs})
-    data = InstructDataModule(
-        tokenizer=str(tiny_model_dir),
-        train_files=[str(chat_file)],
-        val_files=[str(chat_file)],
-        batch_size=batch_size,
-    )
-    return module, data
-
-
-def trainer(root: Path, **kwargs) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=root,
-    )
-    return L.Trainer(**{**defaults, **kwargs})
+from tests.helpers import make, trainer
 
 
 def test_only_lora_weights_change_and_the_adapter_round_trips(tiny_model_dir, chat_file, tmp_path) -> None:

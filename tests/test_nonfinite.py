@@ -9,8 +9,7 @@ import torch
 
 from lit_instruct.callbacks import NonFiniteTrainingError, SkipNonFiniteSteps
 from tests.ddp_fit import run_ddp_fit
-from tests.faults import FaultyModule, Recorder
-from tests.test_module import make, trainer
+from tests.helpers import FaultyModule, Recorder, make, trainer
 
 
 def assert_states_equal(a: dict, b: dict) -> None:

@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_instruct.data.render import IGNORE_INDEX
+from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.module import InstructLoRAModule
 from tests.ddp_fit import run_ddp_fit
-from tests.faults import Recorder
-from tests.test_module import make, trainer
+from tests.helpers import GradCapture, Recorder, make, trainer
 
 ANSWERS = ["Yes.", "No", " ".join(["a very long answer"] * 30), "Four.", " ".join(["medium answer"] * 8)] * 2
 
@@ -25,14 +24,6 @@ def uneven_file(tmp_path: Path) -> Path:
     rows = [{"prompt": f"Question {i}?", "completion": answer} for i, answer in enumerate(ANSWERS)]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-class GradCapture(InstructLoRAModule):
-    """Records the gradients the optimizer is given (after normalization, where clipping would run)."""
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        self.captured = {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
 def token_weighted_loss(module: InstructLoRAModule, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lit_instruct.data.render import IGNORE_INDEX, Sample
-from lit_instruct.packing import PackCollator
-from tests.faults import Recorder
-from tests.test_module import make, trainer
-from tests.test_normalization import GradCapture
+from lit_instruct.data.collate import PackCollator
+from lit_instruct.data.render import Sample
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.packing import PACKED_ATTENTION, attention_implementation
+from tests.helpers import GradCapture, Recorder, make, trainer
 
 
 def test_pack_collator_builds_one_row_with_restarting_positions() -> None:
@@ -22,7 +22,7 @@ def test_pack_collator_builds_one_row_with_restarting_positions() -> None:
 
 
 def test_packed_hidden_states_equal_each_sample_alone(tiny_model_dir, chat_file) -> None:
-    module, data = make(tiny_model_dir, chat_file)
+    module, data = make(tiny_model_dir, chat_file, packing=True)
     data.setup("fit")
     samples = data.train_samples[:4]
     module.eval()
@@ -35,8 +35,9 @@ def test_packed_hidden_states_equal_each_sample_alone(tiny_model_dir, chat_file)
 def test_packed_training_equals_padded_training(tiny_model_dir, chat_file, tmp_path) -> None:
     runs = {}
     for packing in (False, True):
-        module, data = make(tiny_model_dir, chat_file, GradCapture, batch_size=3, warmup_steps=0)
-        data.packing = packing
+        module, data = make(
+            tiny_model_dir, chat_file, GradCapture, batch_size=3, warmup_steps=0, packing=packing
+        )
         recorder = Recorder()
         run = trainer(tmp_path, max_steps=4, limit_val_batches=0, callbacks=[recorder])
         run.fit(module, datamodule=data)
@@ -57,8 +58,7 @@ def test_speed_and_memory_options_give_the_same_gradients(
 ) -> None:
     grads = {}
     for enabled in (False, True):
-        module, data = make(tiny_model_dir, chat_file, GradCapture, **{option: enabled})
-        data.packing = True
+        module, data = make(tiny_model_dir, chat_file, GradCapture, packing=True, **{option: enabled})
         trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, datamodule=data)
         grads[enabled] = module.captured
     for name, grad in grads[False].items():
@@ -72,8 +72,7 @@ def test_bf16_autocast_trains_packed_with_the_fused_loss_like_fp32(
     packing, per-sample attention and the fused loss; same losses as fp32 to bf16 resolution."""
     losses = {}
     for precision in ("32-true", "bf16-mixed"):
-        module, data = make(tiny_model_dir, chat_file, warmup_steps=0)
-        data.packing = True
+        module, data = make(tiny_model_dir, chat_file, warmup_steps=0, packing=True)
         recorder = Recorder()
         run = trainer(
             tmp_path,
@@ -88,3 +87,21 @@ def test_bf16_autocast_trains_packed_with_the_fused_loss_like_fp32(
     assert losses["bf16-mixed"].isfinite().all()
     torch.testing.assert_close(losses["bf16-mixed"], losses["32-true"], atol=0, rtol=2e-2)
     assert not torch.equal(losses["bf16-mixed"], losses["32-true"])  # autocast really ran in bf16
+
+
+def test_packed_data_needs_a_model_built_for_it(tiny_model_dir, chat_file, tmp_path) -> None:
+    module, data = make(tiny_model_dir, chat_file)
+    data.packing = True
+    with pytest.raises(ValueError, match=r"InstructLoRAModule\(packing=True\)"):
+        trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, datamodule=data)
+
+
+def test_attention_implementation_reads_what_transformers_sets(tiny_model_dir) -> None:
+    """The one private read of ``transformers`` (no public getter in version 5) follows the public
+    setter, and packing switches it at build time."""
+    module, _ = make(tiny_model_dir, tiny_model_dir, attn_implementation="eager")
+    assert attention_implementation(module.base_model) == "eager"
+    module.base_model.set_attn_implementation("sdpa")
+    assert attention_implementation(module.base_model) == "sdpa"
+    packed, _ = make(tiny_model_dir, tiny_model_dir, packing=True)
+    assert attention_implementation(packed.base_model) == PACKED_ATTENTION["sdpa"]

@@ -21,7 +21,7 @@ from lit_instruct.export import export_adapter, merge_adapter
 from lit_instruct.generate import generate, load_for_generation
 from lit_instruct.model import QuantizationConfig, load_base_model, parameter_bytes
 from lit_instruct.module import InstructLoRAModule
-from tests.test_module import make, trainer
+from tests.helpers import make, trainer
 
 needs_bitsandbytes = pytest.mark.skipif(
     importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs bitsandbytes (the qlora extra)"

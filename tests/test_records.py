@@ -10,6 +10,7 @@ import pytest
 
 from lit_instruct.data.chatterbot import read_chatterbot
 from lit_instruct.data.records import DataError, Message, read_records
+from tests.helpers import BAD_LINES, GOOD
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -38,35 +39,6 @@ def test_three_formats_are_detected_per_file(tmp_path: Path) -> None:
 def test_alpaca_without_input_uses_instruction_alone(tmp_path: Path) -> None:
     (record,) = read_records(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say hi", "output": "hi"}]))
     assert record.messages[0] == Message("user", "Say hi")
-
-
-GOOD = '{"prompt": "ok", "completion": "ok"}'
-BAD_LINES = {  # reason: (line 2 of a file between two good lines, the expected message after "file:2: ")
-    "bad_type": ('{"prompt": "x", "completion": 3}', r"field 'completion' must be a string, got int"),
-    "missing_field": ('{"instruction": "x"}', r"field 'output' is missing"),
-    "unknown_format": ('{"text": "x"}', r"record has keys \['text'\]; expected 'messages'"),
-    "truncated_line": ('{"prompt": "x", "completion": "y', r"line is truncated: the JSON ends early"),
-    "invalid_json": ('{"prompt": "x" "completion": "y"}', r"invalid JSON at column 16: Expecting ','"),
-    "blank_line": ("", r"blank line"),
-    "bad_role": ('{"messages": [{"role": "bot", "content": "x"}]}', r"field 'messages\[0\].role' is 'bot'"),
-    "empty_content": (
-        '{"prompt": "x", "completion": " "}',
-        r"field 'messages\[1\].content' \(assistant\) is empty",
-    ),
-    "no_final_answer": (
-        json.dumps(
-            {
-                "messages": [
-                    {"role": "user", "content": "q"},
-                    {"role": "assistant", "content": "a"},
-                    {"role": "user", "content": "and?"},
-                ]
-            }
-        ),
-        r"the conversation ends with a user turn \(messages\[2\]\)",
-    ),
-    "not_an_object": ("[1, 2]", r"record must be a JSON object, got list"),
-}
 
 
 @pytest.mark.parametrize("reason", BAD_LINES)

@@ -10,8 +10,9 @@ import torch
 
 from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.records import DataError, Message, Record
-from lit_instruct.data.render import IGNORE_INDEX, ChatRenderer
+from lit_instruct.data.render import ChatRenderer
 from lit_instruct.data.validation import Rejects, build_samples
+from lit_instruct.labels import IGNORE_INDEX
 
 SMOL_SYSTEM = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"

@@ -8,8 +8,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_instruct.callbacks import SkipNonFiniteSteps
 from lit_instruct.model import LoRAConfig
-from tests.faults import Recorder
-from tests.test_module import make, trainer
+from tests.helpers import Recorder, make, trainer
 
 LORA = LoRAConfig(r=64, alpha=16, dropout=0.2, target_modules="all-linear")  # dropout: RNG matters
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from lit_instruct.checkpoint_io import SafeCheckpointIO
 from lit_instruct.cli import InstructCLI
 from lit_instruct.export import save_adapter
-from tests.test_module import make, trainer
+from tests.helpers import make, trainer
 
 
 class Payload:

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import reference_linear_cross_entropy
 from lit_instruct.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
-from tests.test_module import make, trainer
+from tests.helpers import make, trainer
 
 
 class LossRecorder(L.Callback):
@@ -29,6 +29,22 @@ def test_strategies_are_registered_by_name() -> None:
     assert trainer.strategy.root_device == torch.device("cpu")
     ddp = L.Trainer(accelerator="cpu", devices=2, strategy="fused_ce_ddp", logger=False)
     assert isinstance(ddp.strategy, FusedCEDDPStrategy) and ddp.strategy.world_size == 2
+
+
+def test_the_trainer_hands_its_device_to_fused_ce() -> None:
+    """Lightning's accelerator connector sets ``parallel_devices`` on the strategy instance: if it
+    stops doing so, a ``fused_ce`` run would silently stay on the default device."""
+    strategy = FusedCESingleDeviceStrategy()
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
+    assert strategy._chosen == torch.device("cpu") and strategy.root_device == torch.device("cpu")
+    given = FusedCESingleDeviceStrategy(device="cpu")
+    L.Trainer(accelerator="cpu", devices=1, strategy=given, logger=False)
+    assert given._chosen is None and given.root_device == torch.device("cpu")
+
+
+def test_fused_ce_refuses_several_devices() -> None:
+    with pytest.raises(ValueError, match="fused_ce_ddp"):
+        L.Trainer(accelerator="cpu", devices=2, strategy="fused_ce", logger=False)
 
 
 def test_bad_options_are_refused() -> None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import torch
 import yaml
-from peft import PeftModel
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from peft import PeftModel, get_peft_model_state_dict
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from lit_instruct.callbacks import AdapterCheckpoint
+from lit_instruct.callbacks.adapter_checkpoint import SAVING_HOOKS
 from lit_instruct.cli import InstructCLI
 from lit_instruct.loggers import AutoWandbLogger
 from lit_instruct.secrets import redact
@@ -80,15 +84,33 @@ def test_offline_wandb_run_without_secrets_with_best_adapter_and_curves(
 
     best = Path(cli.trainer.checkpoint_callback.best_model_path)
     adapter = AdapterCheckpoint.adapter_dir(best)
-    assert best.is_file() and adapter.name == best.stem + "-adapter"
+    assert adapter.name == best.stem + "-adapter"
+    checkpoints = sorted(best.parent.glob("*.ckpt"))
+    assert sorted(best.parent.glob("*-adapter")) == [AdapterCheckpoint.adapter_dir(p) for p in checkpoints]
+    stored = torch.load(best, weights_only=True)["state_dict"]  # the adapter weights at the best step
+    expected = {k.removeprefix("model.").replace(".default.", "."): v for k, v in stored.items()}
+    written = load_file(adapter / "adapter_model.safetensors")
+    assert written.keys() == expected.keys()
+    for name, weight in expected.items():
+        assert torch.equal(written[name], weight), name
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
-    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0
+    loaded = {k.replace(".default.", "."): v for k, v in get_peft_model_state_dict(model).items()}
+    assert all(torch.equal(loaded[name], weight) for name, weight in expected.items())
 
     with Image.open(runs / "version_0" / "loss_curves.png") as image:
         assert image.format == "PNG"
         image.verify()
     summary = "\n".join(r.getMessage() for r in caplog.records if "fit done" in r.getMessage())
     assert "4 optimizer steps" in summary and str(adapter) in summary and "lit-instruct generate" in summary
+
+
+def test_adapter_checkpoint_follows_every_hook_in_which_model_checkpoint_saves() -> None:
+    """``AdapterCheckpoint`` syncs its folders after ``ModelCheckpoint``'s saving hooks: a hook
+    Lightning adds or drops there fails this test before it leaves a checkpoint without an adapter."""
+    hooks = [name for name in vars(Callback) if name.startswith(("on_", "setup", "teardown"))]
+    overridden = {name for name in hooks if getattr(ModelCheckpoint, name) is not getattr(Callback, name)}
+    assert overridden - {"setup", "on_train_start"} == SAVING_HOOKS
+    assert all(name in vars(AdapterCheckpoint) for name in SAVING_HOOKS)
 
 
 def test_wandb_is_offline_without_credentials_and_online_with_them(tmp_path, monkeypatch) -> None:

@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError
-from tests.test_records import BAD_LINES, GOOD
+from tests.helpers import BAD_LINES, GOOD
 
 
 def mixed_file(path: Path, reasons: list[str]) -> Path:

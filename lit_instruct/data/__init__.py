@@ -1,10 +1,11 @@
 """Instruction data: records, rendering and masking, batching, and the LightningDataModule."""
 
-from lit_instruct.data.collate import PadCollator
+from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError, Message, Record, read_records
-from lit_instruct.data.render import IGNORE_INDEX, ChatRenderer, Sample
+from lit_instruct.data.render import ChatRenderer, Sample
 from lit_instruct.data.sampler import InstructSampler
+from lit_instruct.labels import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",
@@ -13,6 +14,7 @@ __all__ = [
     "InstructDataModule",
     "InstructSampler",
     "Message",
+    "PackCollator",
     "PadCollator",
     "Record",
     "Sample",

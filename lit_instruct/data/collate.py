@@ -1,16 +1,31 @@
-"""Pad tokenized samples into a batch."""
+"""Tokenized samples -> batches: right-padded rows, or one padding-free packed row.
+
+Both collators also count what the module would otherwise recount from the tensors (a host sync per
+micro-batch): ``num_tokens``, the real (non-padding) tokens, and ``num_response_tokens``, the labels
+that are predicted (not ``IGNORE_INDEX``; a sample's first label never is, nothing precedes it).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from lit_instruct.data.render import IGNORE_INDEX, Sample
+from lit_instruct.data.render import Sample
+from lit_instruct.labels import IGNORE_INDEX
+
+
+def _counts(samples: Sequence[Sample]) -> dict[str, int]:
+    return {
+        "num_tokens": sum(len(s.input_ids) for s in samples),
+        "num_response_tokens": sum(s.num_targets for s in samples),
+    }
 
 
 class PadCollator:
-    """Right-pad ``input_ids`` with ``pad_id`` and ``labels`` with -100; build the attention mask.
+    """Right-pad ``input_ids`` with ``pad_id`` and ``labels`` with ``IGNORE_INDEX``; build the
+    attention mask.
 
     Args:
         pad_id: id written into padded positions (never a label, so pad == eos is safe).
@@ -21,7 +36,7 @@ class PadCollator:
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def __call__(self, samples: Sequence[Sample]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: Sequence[Sample]) -> dict[str, Any]:
         length = max(len(s.input_ids) for s in samples)
         if self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -33,4 +48,33 @@ class PadCollator:
             input_ids[row, :n] = torch.tensor(sample.input_ids)
             labels[row, :n] = torch.tensor(sample.labels)
             attention_mask[row, :n] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        return {**batch, **_counts(samples)}
+
+
+class PackCollator:
+    """Samples -> one padding-free row: ``input_ids``, ``labels``, ``position_ids`` of shape
+    ``(1, total tokens)`` and ``packed_segments`` (sample boundaries ``0, n1, n1+n2, ...``).
+
+    Position ids restart at 0 for each sample and the first label of each is ignored, so that no
+    sample predicts the next one's first token; the model's attention runs per sample
+    (:mod:`lit_instruct.packing`).
+    """
+
+    def __call__(self, samples: Sequence[Sample]) -> dict[str, Any]:
+        input_ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        segments = [0]
+        for sample in samples:
+            input_ids += sample.input_ids
+            labels += [IGNORE_INDEX, *sample.labels[1:]]  # never predicted from the previous sample
+            positions += range(len(sample.input_ids))
+            segments.append(len(input_ids))
+        return {
+            "input_ids": torch.tensor([input_ids]),
+            "labels": torch.tensor([labels]),
+            "position_ids": torch.tensor([positions]),
+            "packed_segments": tuple(segments),
+            **_counts(samples),
+        }

@@ -13,12 +13,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_instruct.data.chatterbot import read_chatterbot
-from lit_instruct.data.collate import PadCollator
+from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.records import Message, Record, RecordFormat, read_records
 from lit_instruct.data.render import ChatRenderer, MultiTurn, Sample
 from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects, build_samples
-from lit_instruct.packing import PackCollator
 
 
 def drop_duplicates(records: list[Record], counts: Counter[str]) -> list[Record]:

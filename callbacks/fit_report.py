@@ -1,0 +1,123 @@
+"""What a fit did, said in the terminal and the loggers: the model's size at the start, the totals at
+the end (steps, tokens, time, best ``val/loss`` and its checkpoint, the adapter and how to try it).
+
+Installed by :class:`~lit_instruct.module.InstructLoRAModule` itself (``configure_callbacks``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lit_instruct.model import parameter_bytes
+
+
+@dataclass
+class FitTotals:
+    """What a fit went through, counted over all ranks."""
+
+    seconds: float
+    tokens: int
+    response_tokens: int
+    best_val_loss: float | None
+    best_val_step: int | None
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> str:
+    """Steps, tokens, wall time, best val/loss and its checkpoint, the adapter and how to try it."""
+    lines = [
+        f"lit-instruct: fit done in {_duration(totals.seconds)}: {trainer.global_step} optimizer steps, "
+        f"{totals.tokens:,} tokens ({totals.response_tokens:,} response tokens) "
+        f"({totals.tokens / max(totals.seconds, 1e-9):.0f} tokens/s over the whole fit)"
+    ]
+    from lit_instruct.callbacks.nonfinite import SkipNonFiniteSteps
+
+    skipped = sum(cb.skipped for cb in trainer.callbacks if isinstance(cb, SkipNonFiniteSteps))
+    if skipped:
+        lines.append(f"  skipped steps (non-finite): {skipped}")
+    checkpoint = trainer.checkpoint_callback
+    if (
+        isinstance(checkpoint, ModelCheckpoint)
+        and checkpoint.monitor == "val/loss"
+        and checkpoint.best_model_path
+    ):
+        best = f"  best val/loss {float(checkpoint.best_model_score):.4f}: {checkpoint.best_model_path}"
+        best_adapter = getattr(checkpoint, "adapter_dir", None)
+        if best_adapter is not None:
+            best += f" (adapter: {best_adapter(checkpoint.best_model_path)})"
+        lines.append(best)
+    elif totals.best_val_loss is not None:
+        lines.append(f"  best val/loss {totals.best_val_loss:.4f} at step {totals.best_val_step}")
+    if adapter is not None:
+        lines.append(f"  adapter: {adapter}")
+        lines.append(
+            f'  try it:  lit-instruct generate --adapter {adapter} --prompt "Hello! What can you do?"'
+        )
+    return "\n".join(lines)
+
+
+class FitReport(L.Callback):
+    """At fit start: trainable and total parameters, base weight bytes (``model/*`` metrics too).
+    During fit: the best ``val/loss``. After fit (once the module has written its adapter): the
+    summary of :func:`fit_summary`.
+
+    Reads the module's ``model`` (PEFT), ``tokens_seen``, ``response_tokens_seen`` and
+    ``saved_adapter``, as :class:`~lit_instruct.module.InstructLoRAModule` has them.
+    """
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self.best_val: tuple[float, int] | None = None  # (val/loss, step)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = time.perf_counter()
+        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in pl_module.parameters())
+        base = parameter_bytes(pl_module.model)
+        rank_zero_info(
+            f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}); "
+            f"base weights {base['total'] / 1e6:.1f} MB "
+            f"(4-bit linear layers {base['quantized_linear'] / 1e6:.1f} MB)"
+        )
+        metrics = {
+            "model/trainable_params": float(trainable),
+            "model/base_bytes": float(base["total"]),
+            "model/quantized_linear_bytes": float(base["quantized_linear"]),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loss = trainer.callback_metrics.get("val/loss")
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or loss is None:
+            return
+        if self.best_val is None or float(loss) < self.best_val[0]:
+            self.best_val = (float(loss), trainer.global_step)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or not trainer.is_global_zero:
+            return
+        best_loss, best_step = self.best_val or (None, None)
+        seconds = time.perf_counter() - self._started
+        tokens, response_tokens = (
+            getattr(pl_module, "tokens_seen", 0),
+            getattr(pl_module, "response_tokens_seen", 0),
+        )
+        totals = FitTotals(seconds, tokens, response_tokens, best_loss, best_step)
+        rank_zero_info(fit_summary(trainer, totals, getattr(pl_module, "saved_adapter", None)))

@@ -1,0 +1,138 @@
+"""Helpers shared by the test files (fixtures live in ``conftest.py``; pytest advises against
+importing conftest, so plain functions and classes live here): the tiny module and its data, a
+Trainer for tests, modules that fail on purpose, recorders, and bad-record samples."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.model import LoRAConfig
+from lit_instruct.module import InstructLoRAModule
+
+
+def make(
+    tiny_model_dir: Path,
+    chat_file: Path,
+    module_cls: type[InstructLoRAModule] = InstructLoRAModule,
+    batch_size: int = 3,
+    packing: bool = False,
+    **kwargs,
+) -> tuple[InstructLoRAModule, InstructDataModule]:
+    """The tiny model with small LoRA adapters (``kwargs`` override the module's defaults) and its
+    data, both packed or both padded."""
+    L.seed_everything(0)
+    defaults = dict(
+        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), learning_rate=1e-2, warmup_steps=0
+    )
+    module = module_cls(**{**defaults, **kwargs}, packing=packing)
+    data = InstructDataModule(
+        tokenizer=str(tiny_model_dir),
+        train_files=[str(chat_file)],
+        val_files=[str(chat_file)],
+        batch_size=batch_size,
+        packing=packing,
+    )
+    return module, data
+
+
+def trainer(root: Path, **kwargs) -> L.Trainer:
+    """A quiet CPU Trainer: 2 steps, no logger, checkpoint, progress bar or sanity check."""
+    defaults = dict(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+class GradCapture(InstructLoRAModule):
+    """Records the gradients the optimizer is given (after normalization, where clipping would run)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.captured = {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+
+class FaultyModule(InstructLoRAModule):
+    """Multiplies the loss by NaN, or puts an Inf into one LoRA gradient, at chosen batch indices
+    (on every rank, or on ``fault_rank`` only)."""
+
+    def __init__(
+        self,
+        *args,
+        nan_loss_at: tuple[int, ...] = (),
+        inf_grad_at: tuple[int, ...] = (),
+        fault_rank: int | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.nan_loss_at, self.inf_grad_at, self.fault_rank = set(nan_loss_at), set(inf_grad_at), fault_rank
+        self._batch_idx = -1
+
+    def _faulty_here(self, batch_indices: set[int]) -> bool:
+        rank_ok = self.fault_rank is None or self.global_rank == self.fault_rank
+        return rank_ok and self._batch_idx in batch_indices
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._batch_idx = batch_idx
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self._faulty_here(self.nan_loss_at) else loss
+
+    def on_after_backward(self) -> None:
+        if self._faulty_here(self.inf_grad_at):
+            next(p for p in self.parameters() if p.grad is not None).grad[0, 0] = float("inf")
+
+
+class Recorder(L.Callback):
+    """After every training batch: the LoRA weights, the optimizer state and the learning rate
+    (``states``), and the logged ``train/loss`` (``losses``)."""
+
+    def __init__(self) -> None:
+        self.states: list[tuple[dict, dict, float]] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        optimizer = trainer.optimizers[0]
+        weights = {k: v.clone() for k, v in pl_module.trainable_state_dict().items()}
+        self.states.append((weights, copy.deepcopy(optimizer.state_dict()), optimizer.param_groups[0]["lr"]))
+        self.losses.append(float(trainer.callback_metrics.get("train/loss", float("nan"))))
+
+
+GOOD = '{"prompt": "ok", "completion": "ok"}'
+BAD_LINES = {  # reason: (line 2 of a file between two good lines, the expected message after "file:2: ")
+    "bad_type": ('{"prompt": "x", "completion": 3}', r"field 'completion' must be a string, got int"),
+    "missing_field": ('{"instruction": "x"}', r"field 'output' is missing"),
+    "unknown_format": ('{"text": "x"}', r"record has keys \['text'\]; expected 'messages'"),
+    "truncated_line": ('{"prompt": "x", "completion": "y', r"line is truncated: the JSON ends early"),
+    "invalid_json": ('{"prompt": "x" "completion": "y"}', r"invalid JSON at column 16: Expecting ','"),
+    "blank_line": ("", r"blank line"),
+    "bad_role": ('{"messages": [{"role": "bot", "content": "x"}]}', r"field 'messages\[0\].role' is 'bot'"),
+    "empty_content": (
+        '{"prompt": "x", "completion": " "}',
+        r"field 'messages\[1\].content' \(assistant\) is empty",
+    ),
+    "no_final_answer": (
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a"},
+                    {"role": "user", "content": "and?"},
+                ]
+            }
+        ),
+        r"the conversation ends with a user turn \(messages\[2\]\)",
+    ),
+    "not_an_object": ("[1, 2]", r"record must be a JSON object, got list"),
+}
