@@ -44,6 +44,7 @@ class GracefulInterrupt(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            rank_zero_info("lit-instruct: training; Ctrl-C stops after the current step with a checkpoint")
         self._last_step = trainer.global_step
 
     @override

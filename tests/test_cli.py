@@ -42,6 +42,7 @@ def test_fused_ce_strategy_is_selectable_by_name_from_the_command_line(capsys) -
     assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"] == "fused_ce"
 
 
+@pytest.mark.e2e
 def test_prepare_is_idempotent_and_prints_the_folder(smollm2_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "lit_instruct", "prepare"],
@@ -100,7 +101,7 @@ def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
 
 
-@pytest.mark.parametrize("name", ["lora.yaml", "qlora.yaml"])
+@pytest.mark.parametrize("name", ["lora.yaml", pytest.param("qlora.yaml", marks=pytest.mark.slow)])
 def test_early_stopping_configs_finish_when_max_steps_stops_before_any_validation(
     name: str, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:

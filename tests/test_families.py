@@ -83,7 +83,9 @@ def our_loss(module: InstructLoRAModule, batch: dict[str, torch.Tensor]) -> torc
     return loss_sum / count
 
 
-@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize(
+    "loss", [pytest.param(k, marks=pytest.mark.slow) if "triton" in k else k for k in sorted(LOSSES)]
+)
 def test_loss_and_lora_gradients_equal_the_models_own(family, loss) -> None:
     name, module = family
     batch = PadCollator(0)(samples())

@@ -91,6 +91,7 @@ def test_consecutive_skips_stop_with_a_checkpoint_and_counters_survive_resume(
     assert (resumed.skipped, resumed.consecutive) == (2, 0)  # restored, then reset by a finite step
 
 
+@pytest.mark.slow
 def test_ddp_nan_on_one_rank_skips_on_both(tiny_model_dir, tmp_path):
     out, data = tmp_path / "ddp", tmp_path / "sums.jsonl"
     chats = [{"prompt": f"What is {i} + {i}?", "completion": f"{i} + {i} = {2 * i}."} for i in range(12)]

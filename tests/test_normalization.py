@@ -65,6 +65,7 @@ def test_accumulation_gives_the_gradient_of_one_batch_with_all_samples(tiny_mode
         assert loss == pytest.approx(float(token_weighted_loss(module, micro_batches)), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_two_ddp_ranks_with_the_fused_loss_equal_one_process(tiny_model_dir, uneven_file, tmp_path):
     steps, accumulate = 3, 2
     args = {"model": str(tiny_model_dir), "data": str(uneven_file), "out": str(tmp_path / "ddp")}

@@ -52,7 +52,9 @@ def test_packed_training_equals_padded_training(tiny_model_dir, chat_file, tmp_p
     assert packed_tokens == padded_tokens  # padding is never counted as a token
 
 
-@pytest.mark.parametrize("option", ["gradient_checkpointing", "compile_layers"])
+@pytest.mark.parametrize(
+    "option", ["gradient_checkpointing", pytest.param("compile_layers", marks=pytest.mark.slow)]
+)
 def test_speed_and_memory_options_give_the_same_gradients(
     tiny_model_dir, chat_file, tmp_path, option
 ) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.loggers import CSVLogger
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
@@ -82,6 +83,7 @@ def test_qlora_trains_only_the_adapters_on_cpu(tiny_model_dir, chat_file, tmp_pa
     assert all(not torch.equal(params[n], p) for n, p in lora.items())
 
 
+@pytest.mark.e2e
 @needs_bitsandbytes
 def test_smollm2_nf4_memory(smollm2_path) -> None:
     fp32_model = load_base_model(str(smollm2_path))
@@ -177,6 +179,7 @@ def test_generate_stops_at_end_of_turn(smollm2_path) -> None:
     assert "Paris" in answer and "<|im_" not in answer
 
 
+@pytest.mark.slow
 def test_cli_export_and_generate_run(tiny_model_dir, chat_file, tmp_path) -> None:
     adapter = trained_adapter(tiny_model_dir, chat_file, tmp_path)
     run = [sys.executable, "-m", "lit_instruct"]
@@ -208,17 +211,24 @@ def test_cli_export_and_generate_run(tiny_model_dir, chat_file, tmp_path) -> Non
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    model, tokenizer = load_for_generation(str(tiny_model_dir), str(adapter))
+    expected = generate(model, tokenizer, "Hi", max_new_tokens=4)
+    assert expected and done.stdout.strip() == expected.strip()
 
 
 @needs_bitsandbytes
 def test_module_hparams_are_plain_data(tiny_model_dir, chat_file) -> None:
+    """Checkpoints store the hyperparameters as plain YAML-able data, and they rebuild the module."""
     module, _ = make(tiny_model_dir, chat_file, quantization=NF4_FP32)
     assert module.hparams["quantization"] == {
         "method": "nf4",
         "double_quant": True,
         "compute_dtype": "float32",
     }
-    assert isinstance(module, InstructLoRAModule)
+    plain = yaml.safe_load(yaml.safe_dump(dict(module.hparams)))  # safe_dump refuses Python objects
+    rebuilt = InstructLoRAModule(**plain)
+    assert rebuilt.quantization == module.quantization and rebuilt.lora_config == module.lora_config
+    assert parameter_bytes(rebuilt.model) == parameter_bytes(module.model)
 
 
 def test_generation_preview_answers_fixed_prompts_after_each_validation(tiny_model_dir, chat_file, tmp_path):
