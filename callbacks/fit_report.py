@@ -45,7 +45,8 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
     ]
     from lit_instruct.callbacks.nonfinite import SkipNonFiniteSteps
 
-    skipped = sum(cb.skipped for cb in trainer.callbacks if isinstance(cb, SkipNonFiniteSteps))
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
+    skipped = sum(cb.skipped for cb in callbacks if isinstance(cb, SkipNonFiniteSteps))
     if skipped:
         lines.append(f"  skipped steps (non-finite): {skipped}")
     checkpoint = trainer.checkpoint_callback
@@ -53,6 +54,7 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
         isinstance(checkpoint, ModelCheckpoint)
         and checkpoint.monitor == "val/loss"
         and checkpoint.best_model_path
+        and checkpoint.best_model_score is not None
     ):
         best = f"  best val/loss {float(checkpoint.best_model_score):.4f}: {checkpoint.best_model_path}"
         best_adapter = getattr(checkpoint, "adapter_dir", None)
@@ -87,7 +89,7 @@ class FitReport(L.Callback):
         self._started = time.perf_counter()
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         total = sum(p.numel() for p in pl_module.parameters())
-        base = parameter_bytes(pl_module.model)
+        base = parameter_bytes(getattr(pl_module, "model", pl_module))
         rank_zero_info(
             f"lit-instruct: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%}); "
             f"base weights {base['total'] / 1e6:.1f} MB "

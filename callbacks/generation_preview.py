@@ -53,7 +53,7 @@ class GenerationPreview(L.Callback):
             return
         from lit_instruct.generate import generate
 
-        datamodule = trainer.datamodule
+        datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
         tokenizer = datamodule.load_tokenizer()
         step = trainer.global_step
         rows = []
@@ -73,7 +73,11 @@ class GenerationPreview(L.Callback):
     def _write(self, trainer: L.Trainer, rows: list[tuple[int, str, str]], folder: Path) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                logger.log_text("val/generations", columns=["step", "prompt", "answer"], data=self.history)
+                logger.log_text(
+                    "val/generations",
+                    columns=["step", "prompt", "answer"],
+                    data=[list(map(str, row)) for row in self.history],
+                )
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "generations.txt", "a", encoding="utf-8") as out:
             out.writelines(f"[step {s}] {p}\n{a}\n\n" for s, p, a in rows)

@@ -55,7 +55,7 @@ class _Clock:
 
 def decoder_layers(pl_module: L.LightningModule) -> tuple[nn.Module, nn.ModuleList]:
     """The decoder trunk (embeddings to final norm) and its list of layers."""
-    model = pl_module.base_model if hasattr(pl_module, "base_model") else pl_module
+    model: Any = getattr(pl_module, "base_model", pl_module)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
@@ -100,6 +100,11 @@ class LayerProfiler(L.Callback):
         self._micro_batches: list[dict[str, Any]] = []
         self._clock: _Clock | None = None
 
+    def _require_clock(self) -> _Clock:
+        if self._clock is None:
+            raise RuntimeError("LayerProfiler: no clock before the Trainer's fit started")
+        return self._clock
+
     @property
     def profiling(self) -> bool:
         return bool(self._handles)
@@ -107,7 +112,7 @@ class LayerProfiler(L.Callback):
     def _mark(self, key: str, once: bool = False) -> None:
         marks = self._micro_batches[-1]
         if not (once and key in marks):
-            marks[key] = self._clock.mark()
+            marks[key] = self._require_clock().mark()
 
     def _on_grad(self, key: str) -> Any:
         def hook(grad: torch.Tensor) -> None:
@@ -192,7 +197,7 @@ class LayerProfiler(L.Callback):
         if trainer.global_step == self._profiled_step:  # the accumulation window goes on
             return
         self._detach()
-        self._clock.synchronize()
+        self._require_clock().synchronize()
         metrics = self._durations()
         self.history.append(metrics)
         if trainer.is_global_zero:
@@ -202,7 +207,7 @@ class LayerProfiler(L.Callback):
 
     def _durations(self) -> dict[str, float]:
         """Milliseconds per phase and per layer, summed over the window's micro-batches."""
-        ms, total = self._clock.ms, defaultdict(float)
+        ms, total = self._require_clock().ms, defaultdict[str, float](float)
         first, last = self._micro_batches[0], self._micro_batches[-1]
         for m in self._micro_batches:
             total["forward"] += ms(m["trunk_start"], m["trunk_end"])

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
 
@@ -36,6 +37,6 @@ def log_dir(trainer: L.Trainer) -> Path:
 def checkpoint_dir(trainer: L.Trainer) -> Path:
     """The ``ModelCheckpoint`` folder, else ``<log dir>/checkpoints`` (call it on every rank)."""
     callback = trainer.checkpoint_callback
-    if callback is not None and callback.dirpath:
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath:
         return Path(callback.dirpath)
     return log_dir(trainer) / "checkpoints"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
@@ -19,7 +20,7 @@ from lit_instruct.module import InstructLoRAModule
 from lit_instruct.secrets import redact
 
 
-def _val_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+def _val_metrics(results: list[Mapping[str, float]]) -> dict[str, float]:
     return {k: float(v) for k, v in (results[0] if results else {}).items()}
 
 
@@ -85,8 +86,9 @@ class InstructCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
-        if not any(isinstance(callback, GracefulInterrupt) for callback in trainer.callbacks):
-            trainer.callbacks.insert(0, GracefulInterrupt())
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
+        if not any(isinstance(callback, GracefulInterrupt) for callback in callbacks):
+            callbacks.insert(0, GracefulInterrupt())
         return trainer
 
     def _val(self) -> dict[str, float]:
@@ -98,7 +100,8 @@ class InstructCLI(LightningCLI):
             self.before = self._val()
 
     def after_fit(self) -> None:
-        interrupt = next(cb for cb in self.trainer.callbacks if isinstance(cb, GracefulInterrupt))
+        callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
+        interrupt = next(cb for cb in callbacks if isinstance(cb, GracefulInterrupt))
         if interrupt.interrupted:
             raise SystemExit(130)  # the checkpoint and the adapter are saved; say it was interrupted
         if self.trainer.interrupted or not self.before:

@@ -16,7 +16,7 @@ def wandb_credentials_found() -> bool:
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is not None
     except (FileNotFoundError, netrc.NetrcParseError):
         return False
 

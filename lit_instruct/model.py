@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -150,7 +150,7 @@ MAMBA_NO_LORA = {"out_proj"}
 """Linear layers of Mamba mixers that peft refuses to adapt (their fused kernels read the weight)."""
 
 
-def all_linear_names(model: nn.Module) -> list[str]:
+def all_linear_names(model: Any) -> list[str]:
     """Leaf names of every linear layer of the decoder (fused ``qkv_proj`` / ``gate_up_proj``,
     routers and bnb 4-bit layers included), the output head excluded."""
     head = model.get_output_embeddings()
@@ -166,7 +166,7 @@ def all_linear_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def attach_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
+def attach_lora(model: nn.Module, lora: LoRAConfig) -> Any:
     """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen.
 
     ``target_modules: [all-linear]`` adapts every linear layer but the output head
@@ -181,7 +181,7 @@ def attach_lora(model: nn.Module, lora: LoRAConfig) -> nn.Module:
         experts = expert_parameters(model) or None
     config = LoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, takes any number
         lora_dropout=lora.dropout,
         target_modules=targets,
         target_parameters=experts,

@@ -135,12 +135,13 @@ class InstructLoRAModule(L.LightningModule):
     # -- the model ------------------------------------------------------------------------------
 
     @property
-    def base_model(self) -> nn.Module:
-        """The wrapped ``transformers`` model (LoRA layers injected in place)."""
+    def base_model(self) -> Any:
+        """The wrapped ``transformers`` model (LoRA layers injected in place; its attributes vary by
+        family, hence ``Any``)."""
         return self.model.get_base_model()
 
     @property
-    def lm_head(self) -> nn.Linear:
+    def lm_head(self) -> nn.Linear:  # output_head() checked it is one
         """The output projection whose weight the loss takes."""
         return self.base_model.get_output_embeddings()
 

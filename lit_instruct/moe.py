@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from lit_instruct.output_head import UnsupportedModelError
 
@@ -33,7 +32,7 @@ class RouterAuxLoss:
     coefficient: float
 
     @classmethod
-    def of(cls, model: nn.Module) -> RouterAuxLoss | None:
+    def of(cls, model: Any) -> RouterAuxLoss | None:
         """The model's auxiliary loss, or ``None`` when its forward adds none.
 
         Raises:

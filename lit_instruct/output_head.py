@@ -13,6 +13,7 @@ import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,11 +41,13 @@ class OutputHead:
         return self.linear.bias
 
 
-Effect = Callable[[nn.Module, LogitTransform], LogitTransform]
+Effect = Callable[[Any, LogitTransform], LogitTransform]
+"""What a statement does to the transform, given the model (a ``transformers`` model: its
+attributes vary by family, hence ``Any``)."""
 
 
-def _scale(factor: Callable[[nn.Module], float]) -> Effect:
-    def effect(model: nn.Module, t: LogitTransform) -> LogitTransform:
+def _scale(factor: Callable[[Any], float]) -> Effect:
+    def effect(model: Any, t: LogitTransform) -> LogitTransform:
         if t.softcap is not None:  # z = cap * tanh(scale * raw / cap) has the scale inside
             raise UnsupportedModelError("a logit scaling after the soft-capping")
         return replace(t, scale=t.scale * float(factor(model)))
@@ -52,11 +55,11 @@ def _scale(factor: Callable[[nn.Module], float]) -> Effect:
     return effect
 
 
-def _softcap(cap: Callable[[nn.Module], float | None]) -> Effect:
+def _softcap(cap: Callable[[Any], float | None]) -> Effect:
     return lambda model, t: replace(t, softcap=cap(model))
 
 
-def _same(model: nn.Module, t: LogitTransform) -> LogitTransform:
+def _same(model: Any, t: LogitTransform) -> LogitTransform:
     return t
 
 
@@ -82,7 +85,7 @@ KNOWN_STATEMENTS: list[tuple[str, Effect]] = [
 _END = ("loss = ", "loss: ", "if labels", "return ", "aux_loss")
 
 
-def post_head_statements(model_class: type) -> list[str]:
+def post_head_statements(model_class: type[nn.Module]) -> list[str]:
     """The statements of ``model_class.forward`` from the lm_head call to the loss (comments and
     blank lines left out).
 
@@ -110,7 +113,7 @@ def post_head_statements(model_class: type) -> list[str]:
     return statements
 
 
-def logit_transform(model: nn.Module) -> LogitTransform:
+def logit_transform(model: Any) -> LogitTransform:
     """The scaling and soft-capping ``type(model).forward`` applies to the lm_head's output.
 
     Raises:
@@ -132,7 +135,7 @@ def logit_transform(model: nn.Module) -> LogitTransform:
     return transform
 
 
-def output_head(model: nn.Module, verify: bool = True) -> OutputHead:
+def output_head(model: Any, verify: bool = True) -> OutputHead:
     """The lm_head and logit transform of a ``transformers`` causal LM, checked against its forward.
 
     Raises:
@@ -153,7 +156,7 @@ def output_head(model: nn.Module, verify: bool = True) -> OutputHead:
 
 
 @torch.no_grad()
-def check_against_model_logits(model: nn.Module, head: OutputHead, tokens: int = 8) -> None:
+def check_against_model_logits(model: Any, head: OutputHead, tokens: int = 8) -> None:
     """Compare ``head`` applied to the decoder's hidden states with ``model(...).logits`` on a few
     tokens (eval mode, no dropout).
 

@@ -84,7 +84,7 @@ def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tens
         outputs = []
         for s, e in itertools.pairwise(packed_segments):
             mask = sample_mask(e - s, e - s, window, additive, query.dtype, query.device)
-            causal = {"is_causal": True} if mask is None else {}
+            causal: dict[str, Any] = {"is_causal": True} if mask is None else {}
             q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
             outputs.append(function(module, q, k, v, mask, **causal, **kwargs)[0])
         return torch.cat(outputs, dim=1), None  # (1, T, heads, head_dim)
@@ -106,7 +106,7 @@ for _inner, _name in PACKED_ATTENTION.items():
     AttentionMaskInterface.register(_name, _packed_mask(sdpa_mask if _inner == "sdpa" else eager_mask))
 
 
-def attention_implementation(model: torch.nn.Module) -> str:
+def attention_implementation(model: Any) -> str:
     """The model's attention implementation (``sdpa``, ``eager``, ...).
 
     The one private read of ``transformers`` in lit-instruct: version 5 sets it with the public
@@ -117,7 +117,7 @@ def attention_implementation(model: torch.nn.Module) -> str:
 
 
 @torch.no_grad()
-def enable_packing(model: torch.nn.Module, lengths: Sequence[int] = (5, 3)) -> None:
+def enable_packing(model: Any, lengths: Sequence[int] = (5, 3)) -> None:
     """Switch ``model`` to the packing-aware wrapper of its attention, after checking on a few
     tokens (eval mode) that a packed row gives the hidden states of its samples run alone through
     the model's own attention, so that nothing but attention mixes tokens across samples.

@@ -22,8 +22,8 @@ def capture_rng_states() -> dict[str, Any]:
 
 
 def _numpy_state() -> tuple[Any, ...]:
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # keys as a tensor: weights_only loads it
-    return name, torch.from_numpy(keys.copy()), pos, has_gauss, cached
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return name, torch.from_numpy(np.array(keys)), pos, has_gauss, cached  # a tensor: weights_only loads it
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:

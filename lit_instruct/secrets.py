@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 SECRET_NAME = re.compile(r"(api_?key|token|secret|password|passwd|credential)", re.IGNORECASE)
 REDACTED = "<redacted>"
 
 
-def secret_values(environ: dict[str, str] | None = None) -> list[str]:
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values of environment variables whose names look secret (``WANDB_API_KEY``, ``HF_TOKEN``...)."""
-    environ = os.environ if environ is None else environ
-    return [v for k, v in environ.items() if SECRET_NAME.search(k) and len(v) >= 8]
+    variables = os.environ if environ is None else environ
+    return [v for k, v in variables.items() if SECRET_NAME.search(k) and len(v) >= 8]
 
 
 def redact(value: Any, secrets: list[str] | None = None, key: str = "") -> Any:

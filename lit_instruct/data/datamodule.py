@@ -237,7 +237,10 @@ class InstructDataModule(L.LightningDataModule):
         if self._resume is not None:
             self.sampler.resume_at(*self._resume)
         return DataLoader(
-            self.train_samples, batch_size=self.batch_size, sampler=self.sampler, collate_fn=self._collator()
+            self.train_samples,  # type: ignore[arg-type]  # a list is a map-style dataset
+            batch_size=self.batch_size,
+            sampler=self.sampler,
+            collate_fn=self._collator(),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -259,7 +262,7 @@ class InstructDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.val_samples,
+            self.val_samples,  # type: ignore[arg-type]  # a list is a map-style dataset
             batch_size=self.eval_batch_size,
             shuffle=False,
             collate_fn=self._collator(),

@@ -46,7 +46,8 @@ class InstructSampler(DistributedSampler):
         if batch_size < 1 or group_size < 1:
             raise ValueError(f"batch_size and group_size must be >= 1, got {batch_size}, {group_size}")
         lengths = list(lengths)
-        super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        # DistributedSampler only takes len() of its dataset: the lengths list stands in for it.
+        super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)  # type: ignore[arg-type]
         self.lengths = lengths
         self.batch_size = batch_size
         self.group_by_length = group_by_length
