@@ -95,6 +95,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
             warmup_steps=0,
             min_lr_ratio=1.0,
             adapter_dir=f"{tmp}/adapter",
+            packing=True,
             **options,
         )
         datamodule = InstructDataModule(

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
+import lit_instruct.strategy  # noqa: F401  (importing it registers fused_ce / fused_ce_ddp by name)
 from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.callbacks.fit_report import FitReport
 from lit_instruct.callbacks.rng_states import RestoreRNGStates
@@ -29,10 +30,7 @@ from lit_instruct.model import (
 from lit_instruct.moe import RouterAuxLoss
 from lit_instruct.output_head import output_head
 from lit_instruct.packing import enable_packing
-from lit_instruct.strategy import register_strategies
 from lit_instruct.window import TokenWindow, gradient_factor, scale_gradients
-
-register_strategies()  # `Trainer(strategy="fused_ce")` and YAML configs name them once the module is in use
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:

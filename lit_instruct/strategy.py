@@ -1,7 +1,7 @@
 """Strategies that swap the module's loss for the fused linear cross-entropy, and do nothing else.
 
 ``trainer.strategy: fused_ce`` (one device) or ``fused_ce_ddp`` (DDP) in YAML (registered by name
-when :mod:`lit_instruct.module` is imported), or
+when this module is imported, which :mod:`lit_instruct.module` does), or
 ``Trainer(strategy=FusedCESingleDeviceStrategy(chunk_size=256))`` in Python. The module trains the
 same without them, on its reference loss.
 """
@@ -92,3 +92,6 @@ def register_strategies() -> None:
         if cls.strategy_name not in StrategyRegistry:
             description = (cls.__doc__ or cls.strategy_name).splitlines()[0]
             StrategyRegistry.register(cls.strategy_name, cls, description=description)
+
+
+register_strategies()

@@ -11,6 +11,7 @@ import yaml
 
 from lit_instruct.cli import InstructCLI, main
 from lit_instruct.models import prepare_smollm2
+from lit_instruct.packing import PACKED_ATTENTION, attention_implementation
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -114,3 +115,12 @@ def test_early_stopping_configs_finish_when_max_steps_stops_before_any_validatio
         args += ["--model.quantization.compute_dtype", "float32"]
     main(args)
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_data_packing_builds_the_model_for_packed_rows(tiny_model_dir: Path, chat_file: Path) -> None:
+    args = ["--model.model", str(tiny_model_dir), "--data.train_files", f"[{chat_file}]"]
+    for packing in ("false", "true"):
+        cli = InstructCLI(args=[*args, "--data.packing", packing], run=False)
+        assert cli.model.packing == cli.datamodule.packing == (packing == "true")
+        packed = attention_implementation(cli.model.base_model) == PACKED_ATTENTION["sdpa"]
+        assert packed == (packing == "true")

@@ -64,3 +64,18 @@ def test_module_loss_equals_transformers_loss_on_the_same_masked_batch(tiny_mode
     expected = module.model(**batch).loss  # transformers shifts and averages over labels != -100
     assert count == sum(s.num_targets for s in samples)
     torch.testing.assert_close(loss_sum / count, expected)
+
+
+def test_the_loss_package_imports_torch_only() -> None:
+    """Layers point one way: a loss kernel pulls in neither the data pipeline nor transformers or
+    Lightning (their global registrations included)."""
+    import subprocess
+    import sys
+
+    heavy = ("transformers", "lightning", "lit_instruct.data", "peft")
+    code = (
+        "import sys, lit_instruct.loss, lit_instruct.loss.triton_ce; "
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -74,6 +74,12 @@ def test_offline_wandb_run_without_secrets_with_best_adapter_and_curves(
     train = [row["train/loss"] for row in rows if "train/loss" in row]
     val = [row["val/loss"] for row in rows if "val/loss" in row]
     assert len(train) == 4 and all(math.isfinite(x) for x in train)
+    speeds = [row["train/tokens_per_s"] for row in rows if "train/tokens_per_s" in row]
+    assert len(speeds) == 4 and all(speed > 0 for speed in speeds)  # the module's own callback
+    sizes = [row for row in rows if "model/trainable_params" in row]
+    assert len(sizes) == 1 and sizes[0]["model/trainable_params"] == sum(
+        p.numel() for p in cli.model.parameters() if p.requires_grad
+    )
     assert len(val) == 3  # before fit, and at steps 2 and 4
     assert {row["trainer/global_step"] for row in rows if "train/lr" in row} == {0, 1, 2, 3}
     logged_config = wandb_reader.config(run_file)["config"]
