@@ -6,6 +6,10 @@ token chunks whose logits fit a bounded workspace. For each chunk it computes th
 (``softmax - one_hot``), and right there does the lm_head backward: ``grad_hidden = grad_logits @ W``
 (and ``grad_weight += grad_logits.T @ hidden`` when the lm_head is trainable, in fp32). Backward only
 scales the saved gradients by the incoming gradient, so nothing is recomputed.
+
+The GEMMs run in one compute dtype: autocast's when autocast is on for the tensors' device (what the
+reference loss gets under ``precision: bf16-mixed``), else the promotion of the hidden and weight
+dtypes. Softmax statistics and the lm_head gradients accumulate in fp32 whatever it is.
 """
 
 from __future__ import annotations
@@ -75,9 +79,9 @@ def _chunk_torch(
     ``1 - tanh^2`` for the chain rule. The logit scale is folded into the gradients at the end.
     """
     vocab, c = weight.shape[0], len(hc)
-    logits = buffers[0][: vocab * c].view(vocab, c)  # (V, c) fp32
+    logits = buffers[0][: vocab * c].view(vocab, c)  # (V, c) fp32; hc, weight, bias: the compute dtype
     column_bias = bias[:, None] if bias is not None else None
-    if hc.dtype == weight.dtype == logits.dtype:
+    if weight.dtype == logits.dtype:
         if column_bias is None:
             torch.mm(weight, hc.T, out=logits)
         else:
@@ -120,10 +124,21 @@ def _chunk_torch(
         if scale != 1.0:
             grad_hc.mul_(scale)
     if grads.weight is not None:
-        grads.weight.addmm_(logits, hc.float(), alpha=scale)  # (V, H)
+        _accumulate_fp32(grads.weight, logits, hc, alpha=scale)  # (V, H)
     if grads.bias is not None:
         grads.bias.add_(logits.sum(dim=1), alpha=scale)
     return loss
+
+
+def _accumulate_fp32(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """``total += alpha * a @ b`` with ``total`` fp32: a low-precision GEMM writing fp32 where the
+    platform has one (CUDA ``out_dtype``), else fp32 operands."""
+    if a.dtype == b.dtype == total.dtype:
+        total.addmm_(a, b, alpha=alpha)
+    elif a.dtype == b.dtype and a.is_cuda:
+        total.add_(torch.mm(a, b, out_dtype=torch.float32), alpha=alpha)
+    else:
+        total.addmm_(a.float(), b.float(), alpha=alpha)
 
 
 def _chunk_triton(
@@ -136,8 +151,9 @@ def _chunk_triton(
     grads: _ChunkGrads,
     ignore_index: int,
 ) -> torch.Tensor:
-    """One chunk with the Triton kernel: row-major ``(c, V)`` logits in the input dtype, turned in
-    place into the gradient w.r.t. the raw logits (transform's chain rule included)."""
+    """One chunk with the Triton kernel: row-major ``(c, V)`` logits in the compute dtype, turned in
+    place into the gradient w.r.t. the raw logits (transform's chain rule included; the kernel keeps
+    its softmax statistics in fp32)."""
     from lit_instruct.loss.triton_ce import ce_grad_inplace_triton
 
     vocab, c = weight.shape[0], len(hc)
@@ -146,13 +162,13 @@ def _chunk_triton(
         torch.mm(hc, weight.T, out=logits)
     else:
         torch.addmm(bias, hc, weight.T, out=logits)
-    loss = ce_grad_inplace_triton(logits, yc, ignore_index, transform=transform).sum()
+    loss = ce_grad_inplace_triton(logits, yc, ignore_index, transform=transform, check=False).sum()
     if grads.hidden is not None:
         torch.mm(logits, weight, out=grads.hidden)
     if grads.weight is not None:
-        grads.weight.addmm_(logits.T.float(), hc.float())
+        _accumulate_fp32(grads.weight, logits.T, hc)
     if grads.bias is not None:
-        grads.bias.add_(logits.float().sum(dim=0))
+        grads.bias.add_(logits.sum(dim=0, dtype=torch.float32))
     return loss
 
 
@@ -170,18 +186,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         chunk_size: int | None,
         backend: Backend,
         grad_enabled: bool,
+        compute_dtype: torch.dtype,
     ) -> torch.Tensor:
         # Under no_grad (evaluation) no gradient is computed at all.
         need = [grad_enabled and ctx.needs_input_grad[i] for i in range(3)]
         kept = (labels != ignore_index).nonzero().squeeze(1)  # (n,)
-        h = hidden.index_select(0, kept)  # (n, H)
         y = labels.index_select(0, kept)  # (n,)
         n, vocab = len(kept), weight.shape[0]
+        if n and bool(((y < 0) | (y >= vocab)).any()):  # the kernel would read out of bounds
+            bad = int(y[(y < 0) | (y >= vocab)][0])
+            raise ValueError(f"label {bad} is outside the vocabulary [0, {vocab}) and is not {ignore_index=}")
+        weight_dtype, bias_dtype = weight.dtype, bias.dtype if bias is not None else None
+        h = hidden.index_select(0, kept).to(compute_dtype)  # (n, H)
+        weight, bias = weight.to(compute_dtype), bias.to(compute_dtype) if bias is not None else None
         use_triton = _resolve_backend(backend, hidden.device) == "triton"
         keeps_slope = transform.softcap is not None and not use_triton  # the kernel needs no buffer for it
         chunk = chunk_size or default_chunk_size(vocab, buffers=2 if keeps_slope else 1)
         size, device = min(chunk, n) * vocab, hidden.device
-        buffer = torch.empty(size, dtype=hidden.dtype if use_triton else torch.float32, device=device)
+        buffer = torch.empty(size, dtype=compute_dtype if use_triton else torch.float32, device=device)
         slope = torch.empty(size, dtype=torch.float32, device=device) if keeps_slope else None
         loss = torch.zeros((), dtype=torch.float32, device=device)
         grad_h = torch.empty_like(h) if need[0] else None  # (n, H)
@@ -197,8 +219,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
         scale = 1.0 / max(n, 1) if reduction == "mean" else 1.0
         ctx.scale = scale
-        ctx.hidden_shape, ctx.hidden_dtype, ctx.weight_dtype = hidden.shape, hidden.dtype, weight.dtype
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.hidden_shape, ctx.hidden_dtype = hidden.shape, hidden.dtype
+        ctx.weight_dtype, ctx.bias_dtype = weight_dtype, bias_dtype
         ctx.save_for_backward(kept, grad_h, grad_w, grad_b)
         return loss * scale
 
@@ -209,12 +231,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_hidden = torch.zeros(ctx.hidden_shape, dtype=ctx.hidden_dtype, device=grad_out.device)
-            grad_hidden.index_copy_(0, kept, grad_h * factor.to(grad_h.dtype))
+            grad_hidden.index_copy_(0, kept, (grad_h * factor.to(grad_h.dtype)).to(ctx.hidden_dtype))
         if ctx.needs_input_grad[1]:
             grad_weight = (grad_w * factor).to(ctx.weight_dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = (grad_b * factor).to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -244,8 +266,16 @@ def fused_linear_cross_entropy(
         backend: ``torch`` (any device), ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``),
             ``auto`` (triton on CUDA when installed, else torch).
 
+    The GEMMs run in autocast's dtype when autocast is on for the tensors' device, else in the
+    promotion of ``hidden`` and ``weight``'s dtypes (a bf16 hidden with an fp32 weight: fp32);
+    softmax statistics and lm_head gradient sums are fp32, and each gradient comes back in its
+    input's dtype.
+
     Returns:
         The fp32 scalar loss.
+
+    Raises:
+        ValueError: for bad shapes, or a label outside ``[0, V)`` that is not ``ignore_index``.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -256,18 +286,25 @@ def fused_linear_cross_entropy(
         raise ValueError(f"expected bias (V,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return _FusedLinearCrossEntropy.apply(
-        hidden,
-        weight,
-        bias,
-        labels,
-        transform,
-        ignore_index,
-        reduction,
-        chunk_size,
-        backend,
-        torch.is_grad_enabled(),
-    )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    with torch.autocast(device_type, enabled=False):  # the casts are explicit, inside
+        return _FusedLinearCrossEntropy.apply(
+            hidden,
+            weight,
+            bias,
+            labels,
+            transform,
+            ignore_index,
+            reduction,
+            chunk_size,
+            backend,
+            torch.is_grad_enabled(),
+            compute_dtype,
+        )
 
 
 @dataclass(frozen=True)

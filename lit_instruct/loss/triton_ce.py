@@ -10,6 +10,7 @@ Ignored rows get loss 0 and a zero gradient. Runs on CUDA, and on CPU tensors un
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -37,7 +38,7 @@ if triton_available():
             t = (1.0 - e) / (1.0 + e)
             t = tl.where(x < 0, -t, t)
             return softcap * t, scale * (1.0 - t * t)
-        return x, scale + 0.0 * x
+        return x, tl.zeros_like(x) + scale
 
     @triton.jit
     def _ce_grad_inplace_kernel(
@@ -68,7 +69,9 @@ if triton_available():
             z, _ = _transformed(x, scale, softcap, SOFTCAP)
             z = tl.where(in_vocab, z, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(z, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+            # While every logit so far is -inf, exp(-inf - -inf) would be NaN: shift by 0 instead.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
             running_max = new_max
         lse = running_max + tl.log(running_sum)
         target_raw = tl.load(row_ptr + safe_target).to(tl.float32)
@@ -84,19 +87,44 @@ if triton_available():
             tl.store(row_ptr + cols, (grad * keep).to(logits_ptr.dtype.element_ty), mask=in_vocab)
 
 
+def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise unless every target is a vocabulary id or ``ignore_index`` (one device sync): the
+    kernel would read out of bounds, silently."""
+    bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+    if bool(bad.any()):
+        first = int(targets[bad][0])
+        raise ValueError(
+            f"label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}"
+        )
+
+
+def launch_config(vocab: int, on_cuda: bool) -> tuple[int, int]:
+    """``(BLOCK, num_warps)``: on CUDA, blocks up to 32768 columns with 8 to 32 warps (the sizes
+    Liger-Kernel uses for its CE kernel), so a 128k vocabulary takes 4 loop trips per pass; the
+    interpreter gets small blocks (it runs them as NumPy arrays)."""
+    block = triton.next_power_of_2(vocab)
+    if not on_cuda:
+        return min(block, 1024), 4
+    block = min(block, 32768)
+    return block, 32 if block >= 16384 else 16 if block >= 4096 else 8
+
+
 def ce_grad_inplace_triton(
     logits: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int = IGNORE_INDEX,
     block: int | None = None,
     transform: LogitTransform = IDENTITY,
+    check: bool = True,
 ) -> torch.Tensor:
     """Per-row CE of ``transform(logits)`` (``logits``: raw ``(c, V)``) as fp32 ``(c,)``; ``logits``
-    becomes the gradient w.r.t. itself.
+    becomes the gradient w.r.t. itself. ``check=False`` skips the target bounds check (a device
+    sync) for a caller that checked them already.
 
     Raises:
         RuntimeError: when triton is missing, or the tensors are on the CPU without
             ``TRITON_INTERPRET=1``.
+        ValueError: for a target outside ``[0, V)`` that is not ``ignore_index``.
     """
     if not triton_available():
         raise RuntimeError("the triton backend needs `pip install lit-instruct[triton]`")
@@ -105,10 +133,18 @@ def ce_grad_inplace_triton(
     if logits.stride(1) != 1:
         raise ValueError("logits must be contiguous along the vocabulary (the gradient is written in place)")
     rows, vocab = logits.shape
+    if targets.device != logits.device:
+        raise ValueError(f"targets on {targets.device}, logits on {logits.device}")
+    if check:
+        check_targets(targets, vocab, ignore_index)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    if rows:
-        block = block or min(triton.next_power_of_2(vocab), 4096 if logits.is_cuda else 1024)
-        softcap = transform.softcap
+    if not rows:
+        return loss
+    default_block, warps = launch_config(vocab, logits.is_cuda)
+    softcap = transform.softcap
+    # Launch on the tensors' device, not the current one (a rank's tensors may sit on cuda:1).
+    on_device = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
+    with on_device:
         _ce_grad_inplace_kernel[(rows,)](
             logits,
             logits.stride(0),
@@ -119,6 +155,7 @@ def ce_grad_inplace_triton(
             float(transform.scale),
             float(softcap or 1.0),
             SOFTCAP=softcap is not None,
-            BLOCK=block,
+            BLOCK=block or default_block,
+            num_warps=warps,
         )
     return loss
