@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -64,6 +66,22 @@ class QuantizationConfig:
     """Dtype of the 4-bit layers' matmuls and of every weight left unquantized (embeddings, norms)."""
 
 
+def quantization_device(environ: Mapping[str, str] = os.environ, cuda_devices: int | None = None) -> str:
+    """Where a 4-bit base is quantized: this process's own GPU, ``cuda:<LOCAL_RANK>`` (the rank's
+    device under Lightning's DDP launcher and torchrun, which set ``LOCAL_RANK``; 0 otherwise),
+    else the CPU. The module is built before the Trainer places it, so every rank quantizing onto
+    ``cuda:0`` would put all ranks' bases on one GPU; afterwards Lightning moves the module to the
+    Trainer's device (``accelerator: cpu`` included).
+    """
+    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    if count == 0:
+        return "cpu"
+    local_rank = int(environ.get("LOCAL_RANK", "0"))
+    if local_rank >= count:
+        raise ValueError(f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible")
+    return f"cuda:{local_rank}"
+
+
 def load_base_model(
     name: str,
     dtype: DType = "float32",
@@ -89,7 +107,7 @@ def load_base_model(
             bnb_4bit_use_double_quant=quantization.double_quant,
             bnb_4bit_compute_dtype=getattr(torch, dtype),
         )
-        kwargs["device_map"] = {"": "cuda" if torch.cuda.is_available() else "cpu"}
+        kwargs["device_map"] = {"": quantization_device()}
     if attn_implementation != "auto":
         kwargs["attn_implementation"] = attn_implementation
     if trust_remote_code:

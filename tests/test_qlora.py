@@ -248,3 +248,21 @@ def test_generation_preview_answers_fixed_prompts_after_each_validation(tiny_mod
     assert written.count("[step 2] 2+2?") == 1
     with pytest.raises(ValueError, match="at least one prompt"):
         GenerationPreview(prompts=[])
+
+
+def test_each_rank_quantizes_onto_its_own_device() -> None:
+    """The placement rule of 4-bit bases: the rank's GPU (LOCAL_RANK, set by Lightning's launcher and
+    torchrun), the CPU where there is no GPU; never every rank on cuda:0."""
+    from lit_instruct.model import quantization_device
+
+    assert quantization_device({}, cuda_devices=0) == "cpu"
+    assert quantization_device({"LOCAL_RANK": "1"}, cuda_devices=0) == "cpu"
+    assert quantization_device({}, cuda_devices=2) == "cuda:0"
+    assert [quantization_device({"LOCAL_RANK": str(r)}, cuda_devices=4) for r in range(4)] == [
+        "cuda:0",
+        "cuda:1",
+        "cuda:2",
+        "cuda:3",
+    ]
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 but only 2 CUDA devices"):
+        quantization_device({"LOCAL_RANK": "2"}, cuda_devices=2)
