@@ -7,12 +7,19 @@ one): it runs sample by sample, each with the mask the model would give it alone
 layer's sliding window), and with everything else the layer passes (scaling, soft-capping, sinks),
 so no FLOP or byte is spent on attention across samples (a block-diagonal mask would cost the square
 of the whole row). Unpacked batches go straight to the model's attention function.
+
+On CUDA in fp16/bf16, SDPA models whose layers pass nothing but scaling, dropout 0 and a sliding window
+run all samples in one variable-length flash-attention call (``torch.nn.attention.varlen``) instead of
+one call per sample; the first such call for each configuration is checked against the per-sample
+loop, and a mismatch falls back to the loop with a warning.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,6 +65,71 @@ def sample_mask(
     return blocked[None, None]
 
 
+VARLEN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "position_ids"})
+"""The attention kwargs the varlen path reproduces (dropout only at 0); any other one that is set
+(soft-capping, sinks, ...) keeps the per-sample loop."""
+
+
+def varlen_attention() -> Callable[..., Any] | None:
+    """``torch.nn.attention.varlen.varlen_attn`` where this torch has it (flash attention, CUDA)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+VARLEN_DEVICES = {"cuda"}
+"""Device types with a varlen kernel (the tests add ``cpu`` with a reference kernel)."""
+
+
+def varlen_applies(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the packed samples of this call may run as one varlen call."""
+    if query.device.type not in VARLEN_DEVICES or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if kwargs.get("dropout"):
+        return False
+    return all(value is None or name in VARLEN_KWARGS for name, value in kwargs.items())
+
+
+@functools.lru_cache(maxsize=8)
+def _cumulative(segments: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(segments, dtype=torch.int32, device=device)
+
+
+def varlen_packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Sequence[int],
+    window: int | None,
+    scaling: float | None,
+    kernel: Callable[..., Any],
+) -> torch.Tensor:
+    """All packed samples in one varlen call: ``(1, heads, T, D)`` in, ``(1, T, heads, D)`` out, each
+    sample causal (and windowed: transformers' ``i - w < j <= i`` is flash's left window ``w - 1``)."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, heads, D)
+    cumulative = _cumulative(tuple(segments), query.device)
+    longest = max(e - s for s, e in itertools.pairwise(segments))
+    out = kernel(
+        q,
+        k,
+        v,
+        cumulative,
+        cumulative,
+        longest,
+        longest,
+        scale=scaling,
+        window_size=(-1, 0) if window is None else (window - 1, 0),
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[None]
+
+
+_VARLEN_CHECKED: dict[tuple[Any, ...], bool] = {}
+"""Per configuration (window, dtype, head dims): whether varlen matched the per-sample loop."""
+
+
 def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
     """A ``transformers`` attention function that runs ``inner`` (``sdpa`` or ``eager``) on each
     packed sample separately, and as is on unpacked batches."""
@@ -81,13 +153,34 @@ def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tens
                 )
             return function(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("is_causal", None)
-        outputs = []
-        for s, e in itertools.pairwise(packed_segments):
-            mask = sample_mask(e - s, e - s, window, additive, query.dtype, query.device)
-            causal: dict[str, Any] = {"is_causal": True} if mask is None else {}
-            q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-            outputs.append(function(module, q, k, v, mask, **causal, **kwargs)[0])
-        return torch.cat(outputs, dim=1), None  # (1, T, heads, head_dim)
+
+        def per_sample() -> torch.Tensor:
+            outputs = []
+            for s, e in itertools.pairwise(packed_segments):
+                mask = sample_mask(e - s, e - s, window, additive, query.dtype, query.device)
+                causal: dict[str, Any] = {"is_causal": True} if mask is None else {}
+                q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+                outputs.append(function(module, q, k, v, mask, **causal, **kwargs)[0])
+            return torch.cat(outputs, dim=1)  # (1, T, heads, head_dim)
+
+        kernel = varlen_attention()
+        if additive or kernel is None or not varlen_applies(query, kwargs):
+            return per_sample(), None
+        config = (window, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+        fast = varlen_packed(query, key, value, packed_segments, window, kwargs.get("scaling"), kernel)
+        if config not in _VARLEN_CHECKED:  # once per configuration: the loop is the reference
+            with torch.no_grad():
+                expected = per_sample()
+                error = float((fast.detach().float() - expected.float()).abs().max())
+                scale = float(expected.float().abs().max())
+            _VARLEN_CHECKED[config] = error <= 2e-2 * max(scale, 1.0)
+            if not _VARLEN_CHECKED[config]:
+                warnings.warn(
+                    f"varlen packed attention differs from the per-sample loop (max {error:.3g}) for "
+                    f"{config}: using the loop",
+                    stacklevel=2,
+                )
+        return (fast if _VARLEN_CHECKED[config] else per_sample()), None
 
     return attention
 

@@ -116,3 +116,21 @@ def test_the_kernel_checks_labels_and_survives_an_all_minus_inf_block() -> None:
     torch.testing.assert_close(buffer.cpu().double(), expected.grad, atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match=r"label 600 is outside the vocabulary \[0, 600\)"):
         ce_grad_inplace_triton(logits.float().to(DEVICE), torch.tensor([0, 600, 1, 2]).to(DEVICE))
+
+
+@pytest.mark.slow
+def test_the_gpu_check_passes_its_cpu_parts() -> None:
+    """``benchmarks/gpu_check.py`` (what a lent GPU runs) in its CPU mode: float64 checks at the
+    vocabulary sizes of four families in three dtypes, both backends."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=900, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.endswith((" yes", " NO"))]
+    backends = 1 if NO_TRITON else 2
+    assert len(rows) == 4 * 3 * (backends + 1) and all(row.endswith(" yes") for row in rows)

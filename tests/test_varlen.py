@@ -1,0 +1,98 @@
+"""Packed attention in one varlen call (CUDA flash attention) instead of a loop over samples: the
+dispatch, the window convention and the first-call check, run on CPU with a reference kernel that
+follows flash attention's documented ``window_size=(left, right)`` semantics."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_instruct import packing
+from lit_instruct.packing import packed_attention, varlen_applies
+
+SEGMENTS = (0, 7, 10, 22, 23)
+
+
+def reference_varlen(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    """Flash attention's varlen contract on CPU: query ``i`` of a sequence sees keys ``j`` of the same
+    sequence with ``i - left <= j <= i + right`` (a negative bound: unbounded)."""
+    outputs = []
+    left, right = window_size
+    for s, e in itertools.pairwise(cu_q.tolist()):
+        i, j = torch.arange(e - s)[:, None], torch.arange(e - s)[None, :]
+        allowed = torch.ones(e - s, e - s, dtype=torch.bool)
+        if left >= 0:
+            allowed &= j >= i - left
+        if right >= 0:
+            allowed &= j <= i + right
+        heads = [t[s:e].transpose(0, 1) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*heads, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)
+
+
+class Layer(torch.nn.Module):
+    """What transformers' SDPA attention reads from a layer."""
+
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def qkv(dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, SEGMENTS[-1], 8), (1, 2, SEGMENTS[-1], 8), (1, 2, SEGMENTS[-1], 8)]
+    return [torch.randn(shape, generator=gen).to(dtype) for shape in shapes]
+
+
+@pytest.fixture
+def cpu_varlen(monkeypatch):
+    monkeypatch.setattr(packing, "VARLEN_DEVICES", {"cpu"})
+    monkeypatch.setattr(packing, "_VARLEN_CHECKED", {})
+    monkeypatch.setattr(packing, "varlen_attention", lambda: reference_varlen)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 100])
+def test_one_varlen_call_equals_the_per_sample_loop(cpu_varlen, window) -> None:
+    query, key, value = qkv()
+    kwargs = dict(scaling=0.3, dropout=0.0, sliding_window=window)
+    fast, _ = packed_attention("sdpa")(Layer(), query, key, value, None, packed_segments=SEGMENTS, **kwargs)
+    assert list(packing._VARLEN_CHECKED.values()) == [True]  # checked once, and used
+    packing.VARLEN_DEVICES.clear()  # the loop
+    loop, _ = packed_attention("sdpa")(Layer(), query, key, value, None, packed_segments=SEGMENTS, **kwargs)
+    torch.testing.assert_close(fast.float(), loop.float(), atol=2e-2, rtol=0)
+    assert fast.shape == (1, SEGMENTS[-1], 4, 8)
+
+
+def test_a_kernel_that_disagrees_falls_back_to_the_loop_with_a_warning(cpu_varlen, monkeypatch) -> None:
+    def off_by_one(*args, window_size=(-1, -1), **kwargs):  # a wrong window convention
+        left, right = window_size
+        return reference_varlen(*args, window_size=(left + 1, right), **kwargs)
+
+    monkeypatch.setattr(packing, "varlen_attention", lambda: off_by_one)
+    query, key, value = qkv()
+    attend = packed_attention("sdpa")
+    with pytest.warns(UserWarning, match="differs from the per-sample loop"):
+        out, _ = attend(Layer(), query, key, value, None, packed_segments=SEGMENTS, sliding_window=2)
+    packing.VARLEN_DEVICES.clear()
+    loop, _ = attend(Layer(), query, key, value, None, packed_segments=SEGMENTS, sliding_window=2)
+    assert torch.equal(out, loop)
+
+
+def test_varlen_only_where_it_reproduces_the_layer() -> None:
+    cpu, half = torch.zeros(1, dtype=torch.bfloat16), {"scaling": 0.1, "sliding_window": None}
+    assert not varlen_applies(cpu, half)  # no kernel on this device
+    packing.VARLEN_DEVICES.add("cpu")
+    try:
+        assert varlen_applies(cpu, half)
+        assert not varlen_applies(cpu.float(), half)  # flash attention: fp16/bf16 only
+        assert not varlen_applies(cpu, {**half, "dropout": 0.1})
+        assert not varlen_applies(cpu, {**half, "softcap": 50.0})  # Gemma 2: the loop keeps it
+        assert not varlen_applies(cpu, {**half, "s_aux": torch.zeros(1)})  # attention sinks
+        assert varlen_applies(cpu, {**half, "softcap": None, "dropout": 0.0})
+    finally:
+        packing.VARLEN_DEVICES.discard("cpu")
