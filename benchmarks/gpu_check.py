@@ -69,18 +69,177 @@ def accuracy(device: str) -> list[tuple[str, str, int, str, float, bool]]:
     return rows_out
 
 
+def _timed(fn, *args) -> tuple[float, float]:
+    """(ms per forward + backward, peak MB above the inputs) on CUDA, best of 3 after a warmup."""
+    fn(*args)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def loss_timings() -> list[str]:
+    """naive / ours / Liger / Cut Cross-Entropy at N=16384, H=4096, V=128256 in bf16 (frozen head),
+    each with its loss compared to ours."""
+    n, h, v = 16384, 4096, 128256
+    hidden, weight, labels = _case(n, h, v, torch.bfloat16, "cuda")
+    hidden.requires_grad_()
+
+    def run(loss_fn):
+        def step():
+            hidden.grad = None
+            loss = loss_fn()
+            loss.backward()
+            return float(loss)
+
+        return step
+
+    peers = {
+        "naive": lambda: F.cross_entropy((hidden @ weight.T).float(), labels, ignore_index=IGNORE_INDEX),
+        "ours": lambda: fused_linear_cross_entropy(hidden, weight, labels, backend="triton"),
+    }
+    if importlib.util.find_spec("liger_kernel"):
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        peers["liger"] = lambda: liger(weight, hidden, labels)
+    if importlib.util.find_spec("cut_cross_entropy"):
+        from cut_cross_entropy import linear_cross_entropy
+
+        peers["cce"] = lambda: linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX)
+    lines, reference = [], None
+    for name, fn in peers.items():
+        loss = run(fn)()
+        reference = loss if name == "ours" else reference
+        ms, mb = _timed(run(fn))
+        lines.append(f"loss  {name:<6} {ms:8.1f} ms {mb:9.0f} MB peak  loss {loss:.5f}")
+    missing = {"liger", "cce"} - peers.keys()
+    if missing:
+        lines.append(f"loss  not installed: {', '.join(sorted(missing))}")
+    return lines
+
+
+def big_chunk() -> tuple[str, bool]:
+    """One Triton chunk of more than 2^31 logits (int64 offsets) against the torch backend in fp32."""
+    n, h, v = 17000, 64, 128256  # 17000 * 128256 = 2.18e9 > 2^31
+    hidden, weight, labels = _case(n, h, v, torch.bfloat16, "cuda")
+    ours = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=n, backend="triton")
+    reference = fused_linear_cross_entropy(
+        hidden.float(), weight.float(), labels, chunk_size=1024, backend="torch"
+    )
+    error = abs(float(ours) - float(reference)) / abs(float(reference))
+    return f"chunk of {n * v / 2**31:.2f} x 2^31 logits: relative loss error {error:.2e}", error < 1e-2
+
+
+def attention_timings() -> tuple[list[str], bool]:
+    """64 packed samples of 512 tokens (32 query / 8 kv heads, head dim 128, bf16): the per-sample loop,
+    one varlen call, one SDPA call with a block-diagonal mask; forward + backward."""
+    from lit_instruct import packing
+
+    segments = tuple(range(0, 64 * 512 + 1, 512))
+    total = segments[-1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, heads, total, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        for heads in (32, 8, 8)
+    )
+
+    class Layer(torch.nn.Module):
+        is_causal, num_key_value_groups = True, 4
+
+    attend, layer = packing.packed_attention("sdpa"), Layer()
+
+    def loop():
+        saved = set(packing.VARLEN_DEVICES)
+        packing.VARLEN_DEVICES.clear()
+        try:
+            out = attend(layer, q, k, v, None, packed_segments=segments, scaling=128**-0.5)[0]
+        finally:
+            packing.VARLEN_DEVICES.update(saved)
+        out.float().sum().backward()
+        return out
+
+    def varlen():
+        out = attend(layer, q, k, v, None, packed_segments=segments, scaling=128**-0.5)[0]
+        out.float().sum().backward()
+        return out
+
+    document = torch.repeat_interleave(torch.arange(64, device="cuda"), 512)
+    position = torch.arange(total, device="cuda")
+    mask = (document[:, None] == document[None, :]) & (position[:, None] >= position[None, :])
+
+    def masked():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=128**-0.5, enable_gqa=True)
+        out.transpose(1, 2).float().sum().backward()
+        return out.transpose(1, 2)
+
+    lines, outputs = [], {}
+    for name, fn in {"loop": loop, "varlen": varlen, "masked": masked}.items():
+        outputs[name] = fn().detach()
+        ms, mb = _timed(fn)
+        lines.append(f"attention {name:<7} {ms:8.1f} ms {mb:9.0f} MB peak")
+    error = float((outputs["varlen"].float() - outputs["loop"].float()).abs().max())
+    lines.append(f"attention varlen vs loop: max |diff| {error:.2e}")
+    return lines, error < 2e-2
+
+
+def training(nf4: bool) -> tuple[str, bool]:
+    """15 steps of the bundled model: fused_ce + bf16-mixed + packing (+ NF4), through the CLI."""
+    import subprocess
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as root:
+        command = [sys.executable, "-m", "lit_instruct", "fit", "--config", "configs/quickstart.yaml"]
+        command += ["--trainer.accelerator", "gpu", "--trainer.precision", "bf16-mixed"]
+        command += ["--trainer.strategy", "fused_ce", "--data.packing", "true", "--trainer.max_steps", "15"]
+        command += [
+            "--trainer.logger",
+            "false",
+            "--trainer.default_root_dir",
+            root,
+            "--validate_before_fit",
+            "false",
+        ]
+        command += ["--trainer.val_check_interval", "15", "--trainer.callbacks", "null"]
+        if nf4:
+            command += ["--model.quantization.method", "nf4"]
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - started
+    ok = done.returncode == 0 and "fit done" in done.stderr
+    last = (done.stderr.strip().splitlines() or [""])[-1][:200]
+    what = f"train 15 steps {'NF4 ' if nf4 else ''}bf16 packed fused_ce: rc={done.returncode} {seconds:.0f} s"
+    return what + ("" if ok else f" | {last}"), ok
+
+
 def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = accuracy(device)
     print(f"{'part':<12} {'backend':<7} {'V':>7} {'dtype':<9} {'error':>9}  ok")
     for part, backend, vocab, dtype, error, ok in results:
         print(f"{part:<12} {backend:<7} {vocab:>7} {dtype:<9} {error:>9.2e}  {'yes' if ok else 'NO'}")
+    passed = all(r[-1] for r in results)
     if device != "cuda":
         print("skipped (no CUDA device): timings against naive / Liger / Cut Cross-Entropy, a chunk over")
-        print(
-            "2^31 elements, packed attention timing, 15 training steps with fused_ce + bf16-mixed + packing"
-        )
-    return 0 if all(r[-1] for r in results) else 1
+        print("2^31 logits, packed attention timings, 15 training steps with and without NF4")
+        return 0 if passed else 1
+    print("\n".join(loss_timings()))
+    checks = [big_chunk()]
+    lines, ok = attention_timings()
+    print("\n".join(lines))
+    checks += [("packed attention: varlen equals the per-sample loop", ok), training(False), training(True)]
+    for line, ok in checks:
+        print(f"{line}  {'yes' if ok else 'NO'}")
+    return 0 if passed and all(ok for _, ok in checks) else 1
 
 
 if __name__ == "__main__":

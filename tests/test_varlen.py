@@ -96,3 +96,15 @@ def test_varlen_only_where_it_reproduces_the_layer() -> None:
         assert varlen_applies(cpu, {**half, "softcap": None, "dropout": 0.0})
     finally:
         packing.VARLEN_DEVICES.discard("cpu")
+
+
+@pytest.mark.parametrize("window", [None, 2, 5])
+def test_the_varlen_arguments_are_exact_in_fp32(window) -> None:
+    """The conversion to the varlen call (layout, cumulative lengths, window, GQA, scale) alone, in
+    fp32 where the kernel contract is computed exactly: equal to the per-sample loop to 1e-5."""
+    query, key, value = qkv(torch.float32)
+    fast = packing.varlen_packed(query, key, value, SEGMENTS, window, 0.3, reference_varlen)
+    loop, _ = packed_attention("sdpa")(
+        Layer(), query, key, value, None, packed_segments=SEGMENTS, scaling=0.3, sliding_window=window
+    )
+    torch.testing.assert_close(fast, loop, atol=1e-5, rtol=1e-5)
