@@ -69,3 +69,66 @@ def test_chatterbot_conversations_alternate_user_and_assistant() -> None:
         roles = [m.role for m in record.messages]
         assert roles == ["user", "assistant"] * (len(roles) // 2)
         assert "greetings.yml[conversation " in record.source
+
+
+def test_sharegpt_records_map_their_roles_and_keep_the_train_flag(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "sharegpt.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "system", "value": "Be brief."},
+                    {"from": "human", "value": "Hi"},
+                    {"from": "gpt", "value": "Hello.", "train": False},
+                    {"from": "human", "value": "Bye"},
+                    {"from": "gpt", "value": "Goodbye."},
+                ]
+            }
+        ],
+    )
+    for fmt in ("auto", "sharegpt"):
+        (record,) = read_records(path, fmt=fmt)
+        assert record.messages == (
+            Message("system", "Be brief."),
+            Message("user", "Hi"),
+            Message("assistant", "Hello.", train=False),
+            Message("user", "Bye"),
+            Message("assistant", "Goodbye."),
+        )
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "tool", "value": "{}"}]},
+            r"field 'conversations\[1\]\.from' is 'tool'; expected one of \('system', 'human'",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": " "}]},
+            r"field 'conversations\[1\]\.value' \(assistant\) is empty",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Yo", "train": 0},
+                ]
+            },
+            r"field 'messages\[1\]\.train' must be true or false, got 0",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Hi", "train": False},
+                    {"role": "assistant", "content": "Yo"},
+                ]
+            },
+            r"field 'messages\[0\]\.train' is false on a user turn",
+        ),
+    ],
+)
+def test_bad_sharegpt_and_train_fields_name_file_line_and_field(tmp_path: Path, row, message) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(DataError, match=re.escape(f"{path}:1: ") + message):
+        read_records(path)

@@ -145,3 +145,43 @@ def test_padding_is_never_a_label_but_eos_is_even_when_pad_equals_eos(tokenizer)
     assert torch.all(batch["labels"][0, n:] == IGNORE_INDEX)
     assert batch["labels"][0, n - 2] == tokenizer.eos_token_id  # <|im_end|> then "\n"
     assert batch["labels"][0, n - 1] == IGNORE_INDEX
+
+
+def test_an_answer_with_train_false_is_context_only(tokenizer) -> None:
+    rec = Record(
+        (
+            Message("system", "Be brief."),
+            Message("user", "Hi"),
+            Message("assistant", "Hello there", train=False),
+            Message("user", "How are you?"),
+            Message("assistant", "Fine, thanks."),
+        ),
+        "test:1",
+    )
+    check(
+        ChatRenderer(tokenizer, 512),
+        rec,
+        [
+            (
+                "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                "<|im_start|>assistant\nHello there<|im_end|>\n"
+                "<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n",
+                False,
+            ),
+            ("Fine, thanks.<|im_end|>", True),
+            ("\n", False),
+        ],
+    )
+    per_turn, split = ChatRenderer(tokenizer, 512, multi_turn="per_turn").samples(rec)
+    assert split and len(per_turn) == 1  # the context-only answer makes no sample of its own
+    assert torch.equal(
+        torch.tensor(per_turn[0].labels),
+        torch.tensor(ChatRenderer(tokenizer, 512)(rec).labels)[: len(per_turn[0].labels)],
+    )
+    silent = Record(rec.messages[:3], "test:2")
+    counts = Counter()
+    assert (
+        build_samples([silent], ChatRenderer(tokenizer, 512), counts, Rejects(), on_long_sample="truncate")
+        == []
+    )
+    assert counts["dropped_no_response_tokens"] == 1  # nothing to learn: dropped, and counted

@@ -1,10 +1,14 @@
 """Read instruction data into typed records; every record remembers where it came from.
 
-Three on-disk formats are understood, detected per file or set explicitly:
+Four on-disk formats are understood, detected per record or set explicitly:
 
 * alpaca: ``{"instruction": str, "input": str (optional), "output": str}``
 * prompt/completion: ``{"prompt": str, "completion": str}``
 * chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
+* ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}``
+
+In chat and ShareGPT records an assistant turn may carry ``"train": false``: it stays in the context
+but out of the loss.
 
 Files are JSON Lines (one record per line) or a JSON array of records. Errors name the file, the
 1-based line (JSONL) or record number (JSON array), and the field.
@@ -18,8 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-RecordFormat = Literal["auto", "alpaca", "prompt_completion", "chat"]
+RecordFormat = Literal["auto", "alpaca", "prompt_completion", "chat", "sharegpt"]
 ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
+"""ShareGPT's ``from`` values and the roles they are."""
 
 
 class DataError(ValueError):
@@ -37,6 +49,7 @@ class Message:
 
     role: str
     content: str
+    train: bool = True  # an assistant turn with False is context only, not in the loss
 
 
 @dataclass(frozen=True)
@@ -51,14 +64,16 @@ def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
     """Tell a record's format from its keys."""
     if "messages" in raw:
         return "chat"
+    if "conversations" in raw:
+        return "sharegpt"
     if "instruction" in raw:
         return "alpaca"
     if "prompt" in raw and "completion" in raw:
         return "prompt_completion"
     raise DataError(
         source,
-        f"record has keys {sorted(raw)}; expected 'messages' (chat), 'instruction'+'output' (alpaca) "
-        "or 'prompt'+'completion'",
+        f"record has keys {sorted(raw)}; expected 'messages' (chat), 'conversations' (ShareGPT), "
+        "'instruction'+'output' (alpaca) or 'prompt'+'completion'",
         reason="unknown_format",
     )
 
@@ -74,33 +89,55 @@ def _string_field(raw: dict[str, Any], key: str, source: str, optional: bool = F
     return value
 
 
-def _chat_messages(raw: dict[str, Any], source: str) -> tuple[Message, ...]:
-    turns = raw["messages"]
+def _train_flag(turn: dict[str, Any], role: str, where: str, source: str) -> bool:
+    train = turn.get("train", True)
+    if not isinstance(train, bool):
+        raise DataError(source, f"field '{where}.train' must be true or false, got {train!r}", "bad_type")
+    if not train and role != "assistant":
+        raise DataError(
+            source, f"field '{where}.train' is false on a {role} turn (only answers train)", "bad_type"
+        )
+    return train
+
+
+def _turns(
+    raw: dict[str, Any], source: str, key: str, role_key: str, text_key: str, roles: dict[str, str]
+) -> tuple[Message, ...]:
+    """The turns of a chat (``messages``: role/content) or ShareGPT (``conversations``: from/value)
+    record, roles mapped through ``roles``."""
+    turns = raw[key]
     if not isinstance(turns, list) or not turns:
-        raise DataError(source, "field 'messages' must be a non-empty list", reason="bad_type")
+        raise DataError(source, f"field '{key}' must be a non-empty list", reason="bad_type")
     messages = []
     for i, turn in enumerate(turns):
-        where = f"messages[{i}]"
+        where = f"{key}[{i}]"
         if not isinstance(turn, dict):
-            raise DataError(source, f"field '{where}' must be an object with role and content", "bad_type")
-        role = _string_field(turn, "role", source=f"{source}: {where}")
-        if role not in ROLES:
-            raise DataError(source, f"field '{where}.role' is {role!r}; expected one of {ROLES}", "bad_role")
-        messages.append(Message(role, _string_field(turn, "content", source=f"{source}: {where}")))
+            raise DataError(
+                source, f"field '{where}' must be an object with {role_key} and {text_key}", "bad_type"
+            )
+        name = _string_field(turn, role_key, source=f"{source}: {where}")
+        if name not in roles:
+            expected = tuple(roles)
+            raise DataError(
+                source, f"field '{where}.{role_key}' is {name!r}; expected one of {expected}", "bad_role"
+            )
+        role = roles[name]
+        content = _string_field(turn, text_key, source=f"{source}: {where}")
+        messages.append(Message(role, content, _train_flag(turn, role, where, source)))
     return tuple(messages)
 
 
-def _check_conversation(messages: tuple[Message, ...], source: str) -> None:
+def _check_conversation(
+    messages: tuple[Message, ...], source: str, field: str = "messages", text: str = "content"
+) -> None:
     for i, message in enumerate(messages):
         if not message.content.strip():
-            raise DataError(
-                source, f"field 'messages[{i}].content' ({message.role}) is empty", "empty_content"
-            )
+            raise DataError(source, f"field '{field}[{i}].{text}' ({message.role}) is empty", "empty_content")
     if messages[-1].role != "assistant":
         last = len(messages) - 1
         raise DataError(
             source,
-            f"the conversation ends with a {messages[-1].role} turn (messages[{last}]); "
+            f"the conversation ends with a {messages[-1].role} turn ({field}[{last}]); "
             "the last turn must be the assistant's answer",
             reason="no_final_answer",
         )
@@ -112,10 +149,14 @@ def to_record(raw: Any, source: str, fmt: RecordFormat = "auto") -> Record:
         raise DataError(source, f"record must be a JSON object, got {type(raw).__name__}", "bad_type")
     if fmt == "auto":
         fmt = detect_format(raw, source)
-    if fmt == "chat":
-        if "messages" not in raw:
-            raise DataError(source, "field 'messages' is missing", reason="missing_field")
-        messages = _chat_messages(raw, source)
+    if fmt in ("chat", "sharegpt"):
+        key = "messages" if fmt == "chat" else "conversations"
+        if key not in raw:
+            raise DataError(source, f"field '{key}' is missing", reason="missing_field")
+        if fmt == "chat":
+            messages = _turns(raw, source, key, "role", "content", {role: role for role in ROLES})
+        else:
+            messages = _turns(raw, source, key, "from", "value", SHAREGPT_ROLES)
     elif fmt == "alpaca":
         instruction = _string_field(raw, "instruction", source)
         extra = _string_field(raw, "input", source, optional=True)
@@ -126,7 +167,10 @@ def to_record(raw: Any, source: str, fmt: RecordFormat = "auto") -> Record:
             Message("user", _string_field(raw, "prompt", source)),
             Message("assistant", _string_field(raw, "completion", source)),
         )
-    _check_conversation(messages, source)
+    if fmt == "sharegpt":
+        _check_conversation(messages, source, "conversations", "value")
+    else:
+        _check_conversation(messages, source)
     return Record(messages, source)
 
 

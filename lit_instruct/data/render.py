@@ -82,13 +82,14 @@ class Sample:
 class AnswerTurn:
     """An assistant turn rendered as the model sees it: ``text`` (the conversation through the turn),
     its tokens with their character offsets, and the ``[start, end)`` characters it must produce
-    (the answer and its end-of-turn token)."""
+    (the answer and its end-of-turn token); ``train`` False keeps it out of the loss."""
 
     text: str
     ids: list[int]
     offsets: list[tuple[int, int]]
     start: int
     end: int
+    train: bool = True
 
 
 def common_prefix_length(a: str, b: str) -> int:
@@ -182,7 +183,7 @@ class ChatRenderer:
                 ),
                 len(through),
             )
-            turns.append(AnswerTurn(through, ids, offsets, start, end))
+            turns.append(AnswerTurn(through, ids, offsets, start, end, message.train))
         return turns
 
     def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -222,7 +223,7 @@ class ChatRenderer:
                 )
         last = turns[-1] if turns else None  # a prefix-stable template's last turn is the whole text
         ids, offsets = (last.ids, last.offsets) if last and last.text == text else self._encode(text)
-        return self._sample(record, ids, offsets, [(t.start, t.end) for t in turns])
+        return self._sample(record, ids, offsets, [(t.start, t.end) for t in turns if t.train])
 
     def samples(self, record: Record) -> tuple[list[Sample], bool]:
         """The record's samples under ``multi_turn``, and whether it was split per turn."""
@@ -233,4 +234,5 @@ class ChatRenderer:
             except DataError as error:
                 if self.multi_turn == "joint" or error.reason != "template_not_prefix_stable":
                     raise
-        return [self._sample(record, t.ids, t.offsets, [(t.start, t.end)]) for t in turns], True
+        trained = [t for t in turns if t.train]  # a context-only answer is no sample of its own
+        return [self._sample(record, t.ids, t.offsets, [(t.start, t.end)]) for t in trained], True
