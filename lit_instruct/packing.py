@@ -167,6 +167,8 @@ def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tens
         if additive or kernel is None or not varlen_applies(query, kwargs):
             return per_sample(), None
         config = (window, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
+        if _VARLEN_CHECKED.get(config) is False:
+            return per_sample(), None
         fast = varlen_packed(query, key, value, packed_segments, window, kwargs.get("scaling"), kernel)
         if config not in _VARLEN_CHECKED:  # once per configuration: the loop is the reference
             with torch.no_grad():
@@ -180,7 +182,8 @@ def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tens
                     f"{config}: using the loop",
                     stacklevel=2,
                 )
-        return (fast if _VARLEN_CHECKED[config] else per_sample()), None
+                return per_sample(), None
+        return fast, None
 
     return attention
 

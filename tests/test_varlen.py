@@ -69,7 +69,10 @@ def test_one_varlen_call_equals_the_per_sample_loop(cpu_varlen, window) -> None:
 
 
 def test_a_kernel_that_disagrees_falls_back_to_the_loop_with_a_warning(cpu_varlen, monkeypatch) -> None:
+    calls = []
+
     def off_by_one(*args, window_size=(-1, -1), **kwargs):  # a wrong window convention
+        calls.append(window_size)
         left, right = window_size
         return reference_varlen(*args, window_size=(left + 1, right), **kwargs)
 
@@ -78,9 +81,11 @@ def test_a_kernel_that_disagrees_falls_back_to_the_loop_with_a_warning(cpu_varle
     attend = packed_attention("sdpa")
     with pytest.warns(UserWarning, match="differs from the per-sample loop"):
         out, _ = attend(Layer(), query, key, value, None, packed_segments=SEGMENTS, sliding_window=2)
+    again, _ = attend(Layer(), query, key, value, None, packed_segments=SEGMENTS, sliding_window=2)
+    assert len(calls) == 1  # once found wrong, the kernel is not called again for this configuration
     packing.VARLEN_DEVICES.clear()
     loop, _ = attend(Layer(), query, key, value, None, packed_segments=SEGMENTS, sliding_window=2)
-    assert torch.equal(out, loop)
+    assert torch.equal(out, loop) and torch.equal(again, loop)
 
 
 def test_varlen_only_where_it_reproduces_the_layer() -> None:
