@@ -132,3 +132,38 @@ def test_bad_sharegpt_and_train_fields_name_file_line_and_field(tmp_path: Path, 
     path = write_jsonl(tmp_path / "bad.jsonl", [row])
     with pytest.raises(DataError, match=re.escape(f"{path}:1: ") + message):
         read_records(path)
+
+
+def test_tables_read_through_datasets_give_the_records_of_the_same_rows(tmp_path: Path) -> None:
+    """parquet, csv, an .arrow file and a save_to_disk folder: the same records as JSON Lines, each
+    named by file and row; nested chat messages survive parquet and arrow."""
+    import datasets
+
+    flat = [{"prompt": f"Question {i}?", "completion": f"Answer {i}."} for i in range(3)]
+    chats = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
+    expected = read_records(write_jsonl(tmp_path / "flat.jsonl", flat))
+    datasets.Dataset.from_list(flat).to_parquet(tmp_path / "flat.parquet")
+    datasets.Dataset.from_list(flat).to_csv(tmp_path / "flat.csv", index=False)
+    datasets.Dataset.from_list(chats).save_to_disk(tmp_path / "chats")
+    for name in ("flat.parquet", "flat.csv"):
+        records = read_records(tmp_path / name)
+        assert [r.messages for r in records] == [r.messages for r in expected]
+        assert [r.source for r in records] == [f"{tmp_path / name}:row {i}" for i in range(3)]
+    (arrow,) = (tmp_path / "chats").glob("*.arrow")
+    for path in (tmp_path / "chats", arrow):
+        (record,) = read_records(path)
+        assert record.messages == (Message("user", "Hi"), Message("assistant", "Hello."))
+
+
+def test_a_bad_table_row_names_file_row_and_field(tmp_path: Path) -> None:
+    import datasets
+
+    rows = [{"prompt": "Fine?", "completion": "Yes."}, {"prompt": "Empty?", "completion": " "}]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(
+        DataError, match=re.escape(f"{tmp_path / 'bad.parquet'}:row 1: field 'messages[1].content'")
+    ):
+        read_records(tmp_path / "bad.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "splits")
+    with pytest.raises(DataError, match="holds several splits: name one of their folders"):
+        read_records(tmp_path / "splits")

@@ -39,7 +39,8 @@ class InstructDataModule(L.LightningDataModule):
     Args:
         tokenizer: model name or folder whose tokenizer and chat template render the data (the CLI
             links it to ``model.model``).
-        train_files: JSON/JSONL files (alpaca, prompt/completion or chat records).
+        train_files: JSON/JSONL, parquet, arrow or csv files, or ``save_to_disk`` folders (alpaca,
+            prompt/completion, chat or ShareGPT records).
         val_files: held-out files; when empty, ``val_fraction`` of the training records is held out.
         chatterbot_categories: add the chatterbot-corpus English conversations of these categories
             (file stems such as ``greetings``; ``["all"]`` for every category).

@@ -10,8 +10,10 @@ Four on-disk formats are understood, detected per record or set explicitly:
 In chat and ShareGPT records an assistant turn may carry ``"train": false``: it stays in the context
 but out of the loss.
 
-Files are JSON Lines (one record per line) or a JSON array of records. Errors name the file, the
-1-based line (JSONL) or record number (JSON array), and the field.
+Files are JSON Lines (one record per line), a JSON array of records, or tables read with Hugging Face
+``datasets`` (memory-mapped, a row at a time): ``.parquet``, ``.arrow``, ``.csv``, or a ``save_to_disk``
+folder. Errors name the file, the 1-based line (JSONL), record number (JSON array) or 0-based row
+(tables), and the field.
 """
 
 from __future__ import annotations
@@ -216,10 +218,35 @@ def iter_raw(path: Path) -> Iterator[RawRecord]:
             yield RawRecord(line, source, error=error)
 
 
+TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
+"""Files read as tables through ``datasets`` (besides ``save_to_disk`` folders)."""
+
+
+def iter_table_rows(path: Path) -> Iterator[RawRecord]:
+    """Each row of a parquet / arrow / csv file or a ``save_to_disk`` folder, as a record."""
+    import datasets
+
+    if path.is_dir():
+        dataset = datasets.load_from_disk(str(path))
+        if isinstance(dataset, datasets.DatasetDict):
+            splits = ", ".join(f"{path / name}" for name in dataset)
+            raise DataError(
+                str(path), f"holds several splits: name one of their folders ({splits})", "bad_type"
+            )
+    elif path.suffix == ".parquet":
+        dataset = datasets.Dataset.from_parquet(str(path))
+    elif path.suffix == ".csv":
+        dataset = datasets.Dataset.from_csv(str(path))
+    else:
+        dataset = datasets.Dataset.from_file(str(path))
+    for index, row in enumerate(dataset):
+        yield RawRecord(json.dumps(row, default=str), f"{path}:row {index}", row)
+
+
 def read_records(
     path: str | Path, fmt: RecordFormat = "auto", on_bad: Callable[[RawRecord, DataError], None] | None = None
 ) -> list[Record]:
-    """Read every record of a ``.json``/``.jsonl`` file.
+    """Read every record of a ``.json``/``.jsonl`` file, a table file or a ``save_to_disk`` folder.
 
     Args:
         path: the file.
@@ -228,10 +255,11 @@ def read_records(
             first bad record raises its :class:`DataError`.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"data file {path} does not exist")
+    table = path.is_dir() or path.suffix in TABLE_SUFFIXES
     records = []
-    for raw in iter_raw(path):
+    for raw in iter_table_rows(path) if table else iter_raw(path):
         try:
             if raw.error is not None:
                 raise raw.error
