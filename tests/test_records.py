@@ -140,7 +140,11 @@ def test_tables_read_through_datasets_give_the_records_of_the_same_rows(tmp_path
     import datasets
 
     flat = [{"prompt": f"Question {i}?", "completion": f"Answer {i}."} for i in range(3)]
-    chats = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
+    answers = [
+        {"role": "assistant", "content": "Hello.", "train": False},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    chats = [{"messages": [{"role": "user", "content": "Hi"}, answer]} for answer in answers]
     expected = read_records(write_jsonl(tmp_path / "flat.jsonl", flat))
     datasets.Dataset.from_list(flat).to_parquet(tmp_path / "flat.parquet")
     datasets.Dataset.from_list(flat).to_csv(tmp_path / "flat.csv", index=False)
@@ -150,9 +154,12 @@ def test_tables_read_through_datasets_give_the_records_of_the_same_rows(tmp_path
         assert [r.messages for r in records] == [r.messages for r in expected]
         assert [r.source for r in records] == [f"{tmp_path / name}:row {i}" for i in range(3)]
     (arrow,) = (tmp_path / "chats").glob("*.arrow")
-    for path in (tmp_path / "chats", arrow):
-        (record,) = read_records(path)
-        assert record.messages == (Message("user", "Hi"), Message("assistant", "Hello."))
+    for path in (tmp_path / "chats", arrow):  # the table gives the second row's answer train=None
+        records = read_records(path)
+        assert [r.messages[1] for r in records] == [
+            Message("assistant", "Hello.", train=False),
+            Message("assistant", "Hello."),
+        ]
 
 
 def test_a_bad_table_row_names_file_row_and_field(tmp_path: Path) -> None:

@@ -92,7 +92,9 @@ def _string_field(raw: dict[str, Any], key: str, source: str, optional: bool = F
 
 
 def _train_flag(turn: dict[str, Any], role: str, where: str, source: str) -> bool:
-    train = turn.get("train", True)
+    train = turn.get("train")
+    if train is None:  # absent, or null where a table's schema gave every turn the column
+        return True
     if not isinstance(train, bool):
         raise DataError(source, f"field '{where}.train' must be true or false, got {train!r}", "bad_type")
     if not train and role != "assistant":
