@@ -21,7 +21,7 @@ import torch
 
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
-from lit_instruct.loss.reference import Reduction
+from lit_instruct.loss.reference import Reduction, check_labels
 
 Backend = Literal["auto", "torch", "triton"]
 
@@ -193,9 +193,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         kept = (labels != ignore_index).nonzero().squeeze(1)  # (n,)
         y = labels.index_select(0, kept)  # (n,)
         n, vocab = len(kept), weight.shape[0]
-        if n and bool(((y < 0) | (y >= vocab)).any()):  # the kernel would read out of bounds
-            bad = int(y[(y < 0) | (y >= vocab)][0])
-            raise ValueError(f"label {bad} is outside the vocabulary [0, {vocab}) and is not {ignore_index=}")
+        check_labels(y, vocab, ignore_index)  # the kernel would read out of bounds, torch index from the end
         weight_dtype, bias_dtype = weight.dtype, bias.dtype if bias is not None else None
         h = hidden.index_select(0, kept).to(compute_dtype)  # (n, H)
         weight, bias = weight.to(compute_dtype), bias.to(compute_dtype) if bias is not None else None

@@ -33,6 +33,17 @@ class LossFn(Protocol):
     ) -> torch.Tensor: ...
 
 
+def check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Raise unless every label is a vocabulary id or ``ignore_index`` (one device sync): an indexed
+    read would go out of bounds, or count a negative label from the end, silently."""
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+    if bool(bad.any()):
+        first = int(labels[bad][0])
+        raise ValueError(
+            f"label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}"
+        )
+
+
 def reference_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -18,6 +18,7 @@ import torch
 
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
+from lit_instruct.loss.reference import check_labels
 
 
 def triton_available() -> bool:
@@ -87,17 +88,6 @@ if triton_available():
             tl.store(row_ptr + cols, (grad * keep).to(logits_ptr.dtype.element_ty), mask=in_vocab)
 
 
-def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise unless every target is a vocabulary id or ``ignore_index`` (one device sync): the
-    kernel would read out of bounds, silently."""
-    bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
-    if bool(bad.any()):
-        first = int(targets[bad][0])
-        raise ValueError(
-            f"label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}"
-        )
-
-
 def launch_config(vocab: int, on_cuda: bool) -> tuple[int, int]:
     """``(BLOCK, num_warps)``: on CUDA, blocks up to 32768 columns with 8 to 32 warps (the sizes
     Liger-Kernel uses for its CE kernel), so a 128k vocabulary takes 4 loop trips per pass; the
@@ -136,7 +126,7 @@ def ce_grad_inplace_triton(
     if targets.device != logits.device:
         raise ValueError(f"targets on {targets.device}, logits on {logits.device}")
     if check:
-        check_targets(targets, vocab, ignore_index)
+        check_labels(targets, vocab, ignore_index)
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if not rows:
         return loss
