@@ -125,6 +125,7 @@ class InstructLoRAModule(L.LightningModule):
         self.window = TokenWindow()
         self.val_loss = MeanMetric()
         self.val_tokens = SumMetric()
+        self.val_by_source: dict[str, torch.Tensor] = {}  # name -> (loss sum, response tokens)
         self.tokens_seen = 0
         self.response_tokens_seen = 0
         self.last_val_step: int | None = None
@@ -232,18 +233,27 @@ class InstructLoRAModule(L.LightningModule):
         # `trainer.validate` before fit) cannot be updated in place by fit's validation.
         self.val_loss.reset()
         self.val_tokens.reset()
+        self.val_by_source = {}
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Token-weighted validation loss, overall and per source (batches that carry ``source``)."""
         loss_sum, count = self.loss_sum_and_count(batch)
         if count:
             self.val_loss.update(loss_sum / count, weight=count)
             self.val_tokens.update(count)
+        if "source" in batch:  # every rank sees every source's loader: the same names everywhere
+            zeros = torch.zeros(2, dtype=torch.float64, device=loss_sum.device)
+            sums = self.val_by_source.setdefault(batch["source"], zeros)
+            sums += torch.stack([loss_sum.detach().double(), zeros.new_tensor(float(count))])
 
     def on_validation_epoch_end(self) -> None:
         if self.val_tokens.update_count == 0:
             return
         loss = self.val_loss.compute()
         metrics = {"val/loss": loss, "val/ppl": loss.exp(), "val/tokens": self.val_tokens.compute()}
+        for name in sorted(self.val_by_source):
+            loss_sum, count = self.trainer.strategy.reduce(self.val_by_source[name], reduce_op="sum")
+            metrics[f"val/loss/{name}"] = (loss_sum / count.clamp(min=1)).float()
         self.log_dict(metrics, sync_dist=True)  # equal on every rank already (torchmetrics syncs)
         if not self.trainer.sanity_checking:
             self.last_val_step = self.global_step

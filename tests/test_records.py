@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from lit_instruct.data.chatterbot import read_chatterbot
-from lit_instruct.data.records import DataError, Message, read_records
+from lit_instruct.data.records import DataError, Message
+from lit_instruct.data.sources import DataSource, read_source
 from tests.helpers import BAD_LINES, GOOD
 
 
@@ -26,18 +27,18 @@ def test_three_formats_are_detected_per_file(tmp_path: Path) -> None:
         json.dumps([{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}])
     )
 
-    (a,) = read_records(alpaca)
+    (a,) = read_source(alpaca)
     assert a.messages == (Message("user", "Add\n\n1 and 2"), Message("assistant", "3"))
     assert a.source == f"{alpaca}:1"
-    (p,) = read_records(pc)
+    (p,) = read_source(pc)
     assert p.messages == (Message("user", "Hi"), Message("assistant", "Hello"))
-    (c,) = read_records(chat)
+    (c,) = read_source(chat)
     assert c.messages == (Message("user", "Q"), Message("assistant", "A"))
     assert c.source == f"{chat}[record 1]"
 
 
 def test_alpaca_without_input_uses_instruction_alone(tmp_path: Path) -> None:
-    (record,) = read_records(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say hi", "output": "hi"}]))
+    (record,) = read_source(write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Say hi", "output": "hi"}]))
     assert record.messages[0] == Message("user", "Say hi")
 
 
@@ -47,14 +48,14 @@ def test_errors_name_file_line_and_field(tmp_path: Path, reason: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(f"{GOOD}\n{line}\n{GOOD}\n")
     with pytest.raises(DataError, match=re.escape(f"{path}:2: ") + expected):
-        read_records(path)
+        read_source(path)
 
 
 def test_skipping_bad_records_keeps_the_good_ones_and_reports_each_bad_one(tmp_path: Path) -> None:
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(f"{GOOD}\n{line}\n" for line, _ in BAD_LINES.values()) + f"{GOOD}\n\n\n")
     bad: list[tuple[str, str, str]] = []
-    records = read_records(path, on_bad=lambda raw, error: bad.append((raw.source, error.reason, raw.text)))
+    records = read_source(path, on_bad=lambda raw, error: bad.append((raw.source, error.reason, raw.text)))
     assert len(records) == len(BAD_LINES) + 1  # the trailing empty lines end the file, they are no records
     assert [source for source, _, _ in bad] == [f"{path}:{2 * k}" for k in range(1, len(BAD_LINES) + 1)]
     reasons = [reason.replace("not_an_object", "bad_type") for reason in BAD_LINES]
@@ -87,7 +88,7 @@ def test_sharegpt_records_map_their_roles_and_keep_the_train_flag(tmp_path: Path
         ],
     )
     for fmt in ("auto", "sharegpt"):
-        (record,) = read_records(path, fmt=fmt)
+        (record,) = read_source(DataSource(str(path), format=fmt))
         assert record.messages == (
             Message("system", "Be brief."),
             Message("user", "Hi"),
@@ -101,8 +102,8 @@ def test_sharegpt_records_map_their_roles_and_keep_the_train_flag(tmp_path: Path
     ("row", "message"),
     [
         (
-            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "tool", "value": "{}"}]},
-            r"field 'conversations\[1\]\.from' is 'tool'; expected one of \('system', 'human'",
+            {"conversations": [{"from": "human", "value": "Hi"}, {"from": "bot", "value": "{}"}]},
+            r"field 'conversations\[1\]\.from' is 'bot'; expected one of \('system', 'human'",
         ),
         (
             {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": " "}]},
@@ -131,7 +132,7 @@ def test_sharegpt_records_map_their_roles_and_keep_the_train_flag(tmp_path: Path
 def test_bad_sharegpt_and_train_fields_name_file_line_and_field(tmp_path: Path, row, message) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [row])
     with pytest.raises(DataError, match=re.escape(f"{path}:1: ") + message):
-        read_records(path)
+        read_source(path)
 
 
 def test_tables_read_through_datasets_give_the_records_of_the_same_rows(tmp_path: Path) -> None:
@@ -145,17 +146,17 @@ def test_tables_read_through_datasets_give_the_records_of_the_same_rows(tmp_path
         {"role": "assistant", "content": "Hello."},
     ]
     chats = [{"messages": [{"role": "user", "content": "Hi"}, answer]} for answer in answers]
-    expected = read_records(write_jsonl(tmp_path / "flat.jsonl", flat))
+    expected = read_source(write_jsonl(tmp_path / "flat.jsonl", flat))
     datasets.Dataset.from_list(flat).to_parquet(tmp_path / "flat.parquet")
     datasets.Dataset.from_list(flat).to_csv(tmp_path / "flat.csv", index=False)
     datasets.Dataset.from_list(chats).save_to_disk(tmp_path / "chats")
     for name in ("flat.parquet", "flat.csv"):
-        records = read_records(tmp_path / name)
+        records = read_source(tmp_path / name)
         assert [r.messages for r in records] == [r.messages for r in expected]
         assert [r.source for r in records] == [f"{tmp_path / name}:row {i}" for i in range(3)]
     (arrow,) = (tmp_path / "chats").glob("*.arrow")
     for path in (tmp_path / "chats", arrow):  # the table gives the second row's answer train=None
-        records = read_records(path)
+        records = read_source(path)
         assert [r.messages[1] for r in records] == [
             Message("assistant", "Hello.", train=False),
             Message("assistant", "Hello."),
@@ -170,7 +171,8 @@ def test_a_bad_table_row_names_file_row_and_field(tmp_path: Path) -> None:
     with pytest.raises(
         DataError, match=re.escape(f"{tmp_path / 'bad.parquet'}:row 1: field 'messages[1].content'")
     ):
-        read_records(tmp_path / "bad.parquet")
+        read_source(tmp_path / "bad.parquet")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "splits")
-    with pytest.raises(DataError, match="holds several splits: name one of their folders"):
-        read_records(tmp_path / "splits")
+    assert len(read_source(DataSource(str(tmp_path / "splits"), split="train"), on_bad=lambda *_: None)) == 1
+    with pytest.raises(DataError, match=r"has no split 'test' \(it has: train\); set split"):
+        read_source(DataSource(str(tmp_path / "splits"), split="test"))

@@ -3,6 +3,7 @@
 Both collators also count what the module would otherwise recount from the tensors (a host sync per
 micro-batch): ``num_tokens``, the real (non-padding) tokens, and ``num_response_tokens``, the labels
 that are predicted (not ``IGNORE_INDEX``; a sample's first label never is, nothing precedes it).
+Given a ``source`` name, they put it in every batch (``batch["source"]``: per-source validation).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from lit_instruct.data.render import Sample
 from lit_instruct.labels import IGNORE_INDEX
 
 
-def _counts(samples: Sequence[Sample]) -> dict[str, int]:
-    return {
+def _counts(samples: Sequence[Sample], source: str | None) -> dict[str, Any]:
+    counts: dict[str, Any] = {
         "num_tokens": sum(len(s.input_ids) for s in samples),
         "num_response_tokens": sum(s.num_targets for s in samples),
     }
+    if source is not None:
+        counts["source"] = source
+    return counts
 
 
 class PadCollator:
@@ -30,11 +34,13 @@ class PadCollator:
     Args:
         pad_id: id written into padded positions (never a label, so pad == eos is safe).
         pad_to_multiple_of: round the batch length up to a multiple of this (tensor-core friendly).
+        source: the name every batch carries as ``source``.
     """
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: int | None = None) -> None:
+    def __init__(self, pad_id: int, pad_to_multiple_of: int | None = None, source: str | None = None) -> None:
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.source = source
 
     def __call__(self, samples: Sequence[Sample]) -> dict[str, Any]:
         length = max(len(s.input_ids) for s in samples)
@@ -49,7 +55,7 @@ class PadCollator:
             labels[row, :n] = torch.tensor(sample.labels)
             attention_mask[row, :n] = 1
         batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-        return {**batch, **_counts(samples)}
+        return {**batch, **_counts(samples, self.source)}
 
 
 class PackCollator:
@@ -60,6 +66,9 @@ class PackCollator:
     sample predicts the next one's first token; the model's attention runs per sample
     (:mod:`lit_instruct.packing`).
     """
+
+    def __init__(self, source: str | None = None) -> None:
+        self.source = source
 
     def __call__(self, samples: Sequence[Sample]) -> dict[str, Any]:
         input_ids: list[int] = []
@@ -76,5 +85,5 @@ class PackCollator:
             "labels": torch.tensor([labels]),
             "position_ids": torch.tensor([positions]),
             "packed_segments": tuple(segments),
-            **_counts(samples),
+            **_counts(samples, self.source),
         }

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -10,43 +9,35 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
-from lit_instruct.data.chatterbot import read_chatterbot
 from lit_instruct.data.collate import PackCollator, PadCollator
-from lit_instruct.data.records import Message, Record, RecordFormat, read_records
-from lit_instruct.data.render import ChatRenderer, MultiTurn, Sample
+from lit_instruct.data.prepare import DataSettings, PreparedData, prepare
+from lit_instruct.data.records import RecordFormat
+from lit_instruct.data.render import MultiTurn
 from lit_instruct.data.sampler import InstructSampler
-from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects, build_samples
-
-
-def drop_duplicates(records: list[Record], counts: Counter[str]) -> list[Record]:
-    """Keep the first of identical conversations (so no validation sample is also a training one)."""
-    seen: set[tuple[Message, ...]] = set()
-    unique = []
-    for record in records:
-        if record.messages in seen:
-            counts["dropped_duplicate"] += 1
-            continue
-        seen.add(record.messages)
-        unique.append(record)
-    return unique
+from lit_instruct.data.sources import CHATTERBOT, DataSource
+from lit_instruct.data.store import SampleStore
+from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 
 
 class InstructDataModule(L.LightningDataModule):
-    """Instruction data for causal-LM fine-tuning: JSON/JSONL files and the chatterbot corpus.
+    """Instruction data for causal-LM fine-tuning: files, folders, hub datasets, mixtures of them.
 
     Args:
         tokenizer: model name or folder whose tokenizer and chat template render the data (the CLI
             links it to ``model.model``).
-        train_files: JSON/JSONL, parquet, arrow or csv files, or ``save_to_disk`` folders (alpaca,
-            prompt/completion, chat or ShareGPT records).
-        val_files: held-out files; when empty, ``val_fraction`` of the training records is held out.
+        sources: the datasets to train on (:class:`~lit_instruct.data.sources.DataSource`: path,
+            name, split, format, columns, weight, val_fraction, chat_template), mixed by weight.
+        train_files: shorthand for sources with default settings: JSON/JSONL, parquet, arrow or csv
+            files, folders of them, ``save_to_disk`` folders or hub ids (alpaca, prompt/completion,
+            chat or ShareGPT records).
+        val_files: held-out files; when empty, each source holds out its ``val_fraction``.
         chatterbot_categories: add the chatterbot-corpus English conversations of these categories
             (file stems such as ``greetings``; ``["all"]`` for every category).
-        format: record format of every file, or ``auto`` to detect it per file.
+        format: record format of the ``train_files`` / ``val_files``, or ``auto`` to detect it per record.
         max_seq_len: tokens per sample; what happens to longer ones is ``on_long_sample``.
-        val_fraction: share of training records held out when no ``val_files`` are given.
+        val_fraction: share of each source's records held out when no ``val_files`` are given.
         split_seed: seed of that split, independent of the training seed.
         batch_size: samples per training micro-batch.
         eval_batch_size: samples per validation batch (defaults to ``batch_size``).
@@ -68,6 +59,12 @@ class InstructDataModule(L.LightningDataModule):
             (default: ``rejects.jsonl`` in the log directory).
         packing: put each batch's samples in one row without padding (position ids restart per
             sample, attention stays inside each sample): no FLOP is spent on padding.
+        num_proc: processes that render and tokenize (once: the result is cached).
+        cache: keep the tokenized samples in ``cache_dir``, keyed by the data's contents, the
+            tokenizer, the templates and these settings; a second run memory-maps them.
+        cache_dir: default ``$LIT_INSTRUCT_CACHE/data`` (``~/.cache/lit-instruct/data``).
+        mixture_replacement: draw weighted sources' samples with replacement (default: whole
+            passes in a fresh order, see :class:`InstructSampler`).
         multi_turn: ``auto`` (one sample per conversation where the chat template is prefix-stable,
             else one per assistant turn, counted ``split_per_turn``), ``joint`` (one per conversation;
             a template that rewrites earlier turns is an error) or ``per_turn`` (one per assistant
@@ -77,6 +74,7 @@ class InstructDataModule(L.LightningDataModule):
     def __init__(
         self,
         tokenizer: str = "smollm2-135m-instruct",
+        sources: list[DataSource] | None = None,
         train_files: list[str] | None = None,
         val_files: list[str] | None = None,
         chatterbot_categories: list[str] | None = None,
@@ -97,46 +95,61 @@ class InstructDataModule(L.LightningDataModule):
         rejects_file: str | None = None,
         packing: bool = False,
         multi_turn: MultiTurn = "auto",
+        num_proc: int = 1,
+        cache: bool = True,
+        cache_dir: str | None = None,
+        mixture_replacement: bool = False,
     ) -> None:
         super().__init__()
-        if not (train_files or chatterbot_categories):
-            raise ValueError("InstructDataModule needs data: set train_files and/or chatterbot_categories")
+        self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in sources or []]
+        self.sources += [DataSource(path, format=format) for path in train_files or []]
+        if chatterbot_categories:
+            self.sources.append(DataSource(CHATTERBOT + ",".join(chatterbot_categories)))
+        if not self.sources:
+            raise ValueError(
+                "InstructDataModule needs data: set sources, train_files or chatterbot_categories"
+            )
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.save_hyperparameters()
         self.tokenizer_name = tokenizer
-        self.train_files = list(train_files or [])
-        self.val_files = list(val_files or [])
-        self.chatterbot_categories = chatterbot_categories
-        self.format = format
+        self.val_sources = [DataSource(path, format=format) for path in val_files or []]
+        self.settings = DataSettings(
+            max_seq_len,
+            multi_turn,
+            chat_template,
+            val_fraction,
+            split_seed,
+            deduplicate,
+            on_bad_record,
+            on_long_sample,
+        )
         self.max_seq_len = max_seq_len
-        self.val_fraction = val_fraction
-        self.split_seed = split_seed
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
-        self.chat_template = chat_template
         self.pad_to_multiple_of = pad_to_multiple_of
         self.num_workers = num_workers
         self.group_by_length = group_by_length
         self.seed = seed
-        self.deduplicate = deduplicate
-        self.on_long_sample = on_long_sample
         self.rejects_file = rejects_file
-        self.rejects = Rejects(on_bad_record)
         self.packing = packing
-        self.multi_turn = multi_turn
+        self.num_proc = num_proc
+        self.cache = cache
+        self.cache_dir = cache_dir
+        self.mixture_replacement = mixture_replacement
         self.tokenizer: Any = None
-        self.train_samples: list[Sample] = []
-        self.val_samples: list[Sample] = []
-        self.counts: dict[str, Counter[str]] = {"train": Counter(), "val": Counter()}
+        self.prepared: PreparedData | None = None
         self.sampler: InstructSampler | None = None
         self._resume: tuple[int, int] | None = None
 
     def prepare_data(self) -> None:
-        """Prepare a bundled model's tokenizer once (rank 0 only)."""
+        """Prepare a bundled model's tokenizer, and the tokenized data into the cache (rank 0 only:
+        the other ranks then load it in :meth:`setup`)."""
         from lit_instruct.model import resolve_model_path
 
         resolve_model_path(self.tokenizer_name)
+        if self.cache:
+            self.prepare_samples()
 
     def load_tokenizer(self) -> Any:
         """Load (once) the tokenizer named by ``tokenizer``."""
@@ -148,50 +161,66 @@ class InstructDataModule(L.LightningDataModule):
             self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.tokenizer_name))
         return self.tokenizer
 
-    def read_train_records(self) -> list[Record]:
-        """All training records: files first, then chatterbot conversations."""
-        on_bad = self.rejects.on_bad_raw(self.counts["train"])
-        records = [r for path in self.train_files for r in read_records(path, self.format, on_bad)]
-        if self.chatterbot_categories:
-            categories = None if self.chatterbot_categories == ["all"] else self.chatterbot_categories
-            records += read_chatterbot(categories, counts=self.counts["train"])
-        return drop_duplicates(records, self.counts["train"]) if self.deduplicate else records
+    def data_cache_dir(self) -> Path | None:
+        """Where tokenized data is cached (``None`` with ``cache: false``)."""
+        if not self.cache:
+            return None
+        from lit_instruct.models import cache_dir
 
-    def split(self, records: list[Record]) -> tuple[list[Record], list[Record]]:
-        """Hold out ``val_fraction`` of ``records`` (seeded) unless ``val_files`` are given."""
-        if self.val_files:
-            on_bad = self.rejects.on_bad_raw(self.counts["val"])
-            return records, [r for path in self.val_files for r in read_records(path, self.format, on_bad)]
-        order = list(range(len(records)))
-        random.Random(self.split_seed).shuffle(order)
-        n_val = round(len(records) * self.val_fraction)
-        held_out = set(order[:n_val])
-        train = [r for i, r in enumerate(records) if i not in held_out]
-        return train, [records[i] for i in sorted(held_out)]
+        return Path(self.cache_dir) if self.cache_dir else cache_dir() / "data"
+
+    def prepare_samples(self) -> PreparedData:
+        """Read, split and tokenize the sources (or memory-map them from the cache)."""
+        return prepare(
+            self.sources,
+            self.val_sources,
+            self.load_tokenizer(),
+            self.settings,
+            self.model_vocab_size(),
+            self.num_proc,
+            self.data_cache_dir(),
+        )
+
+    @property
+    def train_samples(self) -> SampleStore:
+        assert self.prepared is not None, "call setup() first"
+        return self.prepared.train
+
+    @property
+    def val_samples(self) -> SampleStore:
+        assert self.prepared is not None, "call setup() first"
+        return self.prepared.val
+
+    @property
+    def counts(self) -> dict[str, Counter[str]]:
+        """Per split, what was read, kept, truncated, dropped or skipped (summed over sources)."""
+        assert self.prepared is not None, "call setup() first"
+        return {split: self.prepared.totals(split) for split in ("train", "val")}
 
     def setup(self, stage: str | None = None) -> None:
-        """Read, split and render the data (once)."""
-        if self.train_samples or self.val_samples:
+        """Read, split and tokenize the data once (a cache hit memory-maps it), report the counts."""
+        if self.prepared is not None:
             return
-        renderer = ChatRenderer(self.load_tokenizer(), self.max_seq_len, self.chat_template, self.multi_turn)
-        train_records, val_records = self.split(self.read_train_records())
-        vocab_size = self.model_vocab_size()
-        for split, records in (("train", train_records), ("val", val_records)):
-            samples = build_samples(
-                records, renderer, self.counts[split], self.rejects, self.on_long_sample, vocab_size
-            )
-            setattr(self, f"{split}_samples", samples)
-            counts = self.counts[split]
+        self.prepared = prepared = self.prepare_samples()
+        for split, store in (("train", prepared.train), ("val", prepared.val)):
+            counts = prepared.totals(split)
             rank_zero_info(
                 f"lit-instruct data [{split}]: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
             )
+            if len(store.names) > 1:
+                rank_zero_info(
+                    f"lit-instruct data [{split}] "
+                    + ", ".join(f"{n}={c}" for n, c in store.counts_by_source().items())
+                )
+        if prepared.cached:
+            rank_zero_info("lit-instruct data: tokenized samples memory-mapped from the cache")
         rejects = self.rejects_path()  # on every rank: the log directory is a collective
-        if self.rejects.rows and (self.trainer is None or self.trainer.is_global_zero):
-            self.rejects.write(rejects)
+        if prepared.rejects and (self.trainer is None or self.trainer.is_global_zero):
+            Rejects(rows=prepared.rejects).write(rejects)
             rank_zero_info(
-                f"lit-instruct data: {len(self.rejects.rows)} bad records skipped, listed in {rejects}"
+                f"lit-instruct data: {len(prepared.rejects)} bad records skipped, listed in {rejects}"
             )
-        if not self.train_samples:
+        if not len(prepared.train):
             raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
 
     def model_vocab_size(self) -> int | None:
@@ -213,12 +242,12 @@ class InstructDataModule(L.LightningDataModule):
         trainer = self.trainer
         return Path((trainer.log_dir or trainer.default_root_dir) if trainer else ".") / "rejects.jsonl"
 
-    def _collator(self) -> PadCollator | PackCollator:
+    def _collator(self, source: str | None = None) -> PadCollator | PackCollator:
         if self.packing:
-            return PackCollator()
+            return PackCollator(source)
         tokenizer = self.load_tokenizer()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return PadCollator(pad_id, self.pad_to_multiple_of)
+        return PadCollator(pad_id, self.pad_to_multiple_of, source)
 
     def train_dataloader(self) -> DataLoader:
         """Batches of :class:`InstructSampler`'s order, built in the main process.
@@ -227,18 +256,23 @@ class InstructDataModule(L.LightningDataModule):
         order stays exactly resumable mid-epoch (see :meth:`state_dict`).
         """
         trainer = self.trainer
+        weights = [s.weight for s in self.sources]
+        mixture = any(w != 1.0 for w in weights)
         self.sampler = InstructSampler(
-            [len(s.input_ids) for s in self.train_samples],
+            self.train_samples.lengths.tolist(),
             self.batch_size,
             num_replicas=trainer.world_size if trainer else 1,
             rank=trainer.global_rank if trainer else 0,
             group_by_length=self.group_by_length,
             seed=self.seed,
+            sources=self.train_samples.source_ids.tolist() if mixture else None,
+            weights=weights if mixture else None,
+            replacement=self.mixture_replacement,
         )
         if self._resume is not None:
             self.sampler.resume_at(*self._resume)
         return DataLoader(
-            self.train_samples,  # type: ignore[arg-type]  # a list is a map-style dataset
+            self.train_samples,  # type: ignore[arg-type]  # a sequence is a map-style dataset
             batch_size=self.batch_size,
             sampler=self.sampler,
             collate_fn=self._collator(),
@@ -261,11 +295,20 @@ class InstructDataModule(L.LightningDataModule):
         if state_dict:
             self._resume = (state_dict["epoch"], state_dict["batches_done"])
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """The validation samples; with several sources, one loader per source whose batches carry
+        the source's ``name`` (the module logs ``val/loss/<name>``)."""
+        store = self.val_samples
+        names = [n for n, count in store.counts_by_source().items() if count]
+        if len(names) <= 1:
+            return self._val_loader(store, None)
+        return [self._val_loader(Subset(store, store.indices_of(store.names.index(n))), n) for n in names]
+
+    def _val_loader(self, samples: Any, name: str | None) -> DataLoader:
         return DataLoader(
-            self.val_samples,  # type: ignore[arg-type]  # a list is a map-style dataset
+            samples,
             batch_size=self.eval_batch_size,
             shuffle=False,
-            collate_fn=self._collator(),
+            collate_fn=self._collator(name),
             num_workers=self.num_workers,
         )

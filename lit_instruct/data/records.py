@@ -1,39 +1,43 @@
-"""Read instruction data into typed records; every record remembers where it came from.
+"""One parsed record -> a typed conversation; every record remembers where it came from.
 
-Four on-disk formats are understood, detected per record or set explicitly:
+Four formats are understood, detected per record or set explicitly:
 
 * alpaca: ``{"instruction": str, "input": str (optional), "output": str}``
 * prompt/completion: ``{"prompt": str, "completion": str}``
-* chat: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}``
-* ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}``
+* chat (OpenAI style): ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
+  "tools": [...] (optional)}``; assistant turns may carry ``tool_calls`` (their content may then be
+  empty) and ``reasoning_content`` (or ``thinking``); tool turns may carry ``tool_call_id`` and ``name``.
+* ShareGPT: ``{"conversations": [{"from": "system"|"human"|"gpt"|"tool", "value": str}, ...]}``, with
+  LLaMA-Factory's ``function_call`` (an assistant tool call, its value the call's JSON) and
+  ``observation`` (a tool result) turns.
 
-In chat and ShareGPT records an assistant turn may carry ``"train": false``: it stays in the context
-but out of the loss.
-
-Files are JSON Lines (one record per line), a JSON array of records, or tables read with Hugging Face
-``datasets`` (memory-mapped, a row at a time): ``.parquet``, ``.arrow``, ``.csv``, or a ``save_to_disk``
-folder. Errors name the file, the 1-based line (JSONL), record number (JSON array) or 0-based row
-(tables), and the field.
+An assistant turn may carry ``"train": false``: it stays in the context but out of the loss. Tool
+results are context, never trained on; the assistant's tool-call text is. Field names can be mapped
+from the user's with ``columns`` (``{"instruction": "question"}``). Errors name the record's location
+and the field.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 RecordFormat = Literal["auto", "alpaca", "prompt_completion", "chat", "sharegpt"]
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
+    "function_call": "assistant",
+    "tool": "tool",
+    "observation": "tool",
 }
 """ShareGPT's ``from`` values and the roles they are."""
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+"""Where assistant turns keep their reasoning; templates are given it under the first two names."""
 
 
 class DataError(ValueError):
@@ -42,24 +46,51 @@ class DataError(ValueError):
     def __init__(self, source: str, message: str, reason: str = "invalid") -> None:
         super().__init__(f"{source}: {message}")
         self.source = source
+        self.message = message
         self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt intact when raised in a worker process
+        return DataError, (self.source, self.message, self.reason)
 
 
 @dataclass(frozen=True)
 class Message:
-    """One turn of a conversation."""
+    """One turn of a conversation (hashable: tool calls are kept as canonical JSON)."""
 
     role: str
     content: str
     train: bool = True  # an assistant turn with False is context only, not in the loss
+    tool_calls: str | None = None  # JSON list of {"type": "function", "function": {name, arguments}}
+    reasoning: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The turn as chat templates read it (OpenAI / transformers message layout)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls is not None:
+            message["tool_calls"] = json.loads(self.tool_calls)
+        if self.reasoning is not None:
+            message["reasoning_content"] = message["thinking"] = self.reasoning
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 @dataclass(frozen=True)
 class Record:
-    """A conversation to train on, and where it was read from (``file:line`` or similar)."""
+    """A conversation to train on, the tools offered to it (JSON), and where it was read from."""
 
     messages: tuple[Message, ...]
     source: str
+    tools: str | None = None
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What makes two records the same conversation (for de-duplication)."""
+        return (self.messages, self.tools)
 
 
 def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
@@ -75,9 +106,23 @@ def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
     raise DataError(
         source,
         f"record has keys {sorted(raw)}; expected 'messages' (chat), 'conversations' (ShareGPT), "
-        "'instruction'+'output' (alpaca) or 'prompt'+'completion'",
+        "'instruction'+'output' (alpaca) or 'prompt'+'completion' (map other names with columns)",
         reason="unknown_format",
     )
+
+
+def map_columns(raw: Any, columns: dict[str, str], source: str) -> Any:
+    """Rename the user's fields to ours: ``columns`` maps our name to theirs."""
+    if not columns or not isinstance(raw, dict):
+        return raw
+    mapped = dict(raw)
+    for ours, theirs in columns.items():
+        if theirs not in raw:
+            raise DataError(
+                source, f"column '{theirs}' (mapped to '{ours}' by columns) is missing", "missing_field"
+            )
+        mapped[ours] = mapped.pop(theirs)
+    return mapped
 
 
 def _string_field(raw: dict[str, Any], key: str, source: str, optional: bool = False) -> str:
@@ -89,6 +134,71 @@ def _string_field(raw: dict[str, Any], key: str, source: str, optional: bool = F
     if not isinstance(value, str):
         raise DataError(source, f"field '{key}' must be a string, got {type(value).__name__}", "bad_type")
     return value
+
+
+def _content(turn: dict[str, Any], key: str, where: str, source: str, optional: bool) -> str:
+    """A turn's text; OpenAI's list of ``{"type": "text", "text": ...}`` parts is joined."""
+    value = turn.get(key)
+    if isinstance(value, list):
+        parts = []
+        for k, part in enumerate(value):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise DataError(
+                    source,
+                    f"field '{where}.{key}[{k}]' is not a text part (only text is supported)",
+                    "bad_type",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    return _string_field(turn, key, f"{source}: {where}", optional=optional)
+
+
+def _json_value(value: Any, field: str, source: str) -> Any:
+    """``value``, parsed when it is a JSON string (tables often keep nested data as text)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise DataError(source, f"field '{field}' is not valid JSON: {err.msg}", "bad_type") from err
+    return value
+
+
+def _tool_calls(value: Any, field: str, source: str) -> str:
+    """Tool calls in the layout chat templates expect (arguments as an object), as canonical JSON."""
+    calls = _json_value(value, field, source)
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list) or not calls:
+        raise DataError(source, f"field '{field}' must be a non-empty list of tool calls", "bad_type")
+    normalized = []
+    for k, call in enumerate(calls):
+        where = f"{field}[{k}]"
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(source, f"field '{where}' needs a function name (function.name)", "bad_type")
+        arguments = _json_value(function.get("arguments", {}), f"{where}.function.arguments", source)
+        if not isinstance(arguments, dict):
+            raise DataError(source, f"field '{where}.function.arguments' must be an object", "bad_type")
+        entry: dict[str, Any] = {
+            "type": "function",
+            "function": {"name": function["name"], "arguments": arguments},
+        }
+        if isinstance(call, dict) and call.get("id") is not None:
+            entry["id"] = str(call["id"])
+        normalized.append(entry)
+    return json.dumps(normalized, sort_keys=True, ensure_ascii=False)
+
+
+def _tools(raw: dict[str, Any], source: str) -> str | None:
+    """The record's tool definitions (a list of JSON schemas) as canonical JSON."""
+    tools = _json_value(raw.get("tools"), "tools", source)
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(source, "field 'tools' must be a list of tool definitions (objects)", "bad_type")
+    return json.dumps(tools, sort_keys=True, ensure_ascii=False)
 
 
 def _train_flag(turn: dict[str, Any], role: str, where: str, source: str) -> bool:
@@ -104,30 +214,62 @@ def _train_flag(turn: dict[str, Any], role: str, where: str, source: str) -> boo
     return train
 
 
-def _turns(
-    raw: dict[str, Any], source: str, key: str, role_key: str, text_key: str, roles: dict[str, str]
-) -> tuple[Message, ...]:
-    """The turns of a chat (``messages``: role/content) or ShareGPT (``conversations``: from/value)
-    record, roles mapped through ``roles``."""
+def _optional_string(turn: dict[str, Any], key: str, where: str, source: str) -> str | None:
+    return _string_field(turn, key, f"{source}: {where}") if turn.get(key) is not None else None
+
+
+def _chat_turn(turn: dict[str, Any], where: str, source: str) -> Message:
+    role = _string_field(turn, "role", f"{source}: {where}")
+    if role not in ROLES:
+        raise DataError(source, f"field '{where}.role' is {role!r}; expected one of {ROLES}", "bad_role")
+    calls = turn.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise DataError(
+            source, f"field '{where}.tool_calls' is on a {role} turn (only answers call tools)", "bad_role"
+        )
+    tool_calls = _tool_calls(calls, f"{where}.tool_calls", source) if calls is not None else None
+    reasoning_key = next((k for k in REASONING_KEYS if turn.get(k) is not None), None)
+    reasoning = _optional_string(turn, reasoning_key, where, source) if reasoning_key else None
+    if reasoning is not None and role != "assistant":
+        raise DataError(source, f"field '{where}.{reasoning_key}' is on a {role} turn", "bad_role")
+    content = _content(turn, "content", where, source, optional=tool_calls is not None)
+    return Message(
+        role,
+        content,
+        _train_flag(turn, role, where, source),
+        tool_calls,
+        reasoning or None,
+        _optional_string(turn, "tool_call_id", where, source),
+        _optional_string(turn, "name", where, source),
+    )
+
+
+def _sharegpt_turn(turn: dict[str, Any], where: str, source: str) -> Message:
+    name = _string_field(turn, "from", f"{source}: {where}")
+    if name not in SHAREGPT_ROLES:
+        expected = tuple(SHAREGPT_ROLES)
+        raise DataError(source, f"field '{where}.from' is {name!r}; expected one of {expected}", "bad_role")
+    role = SHAREGPT_ROLES[name]
+    value = _content(turn, "value", where, source, optional=False)
+    train = _train_flag(turn, role, where, source)
+    if name == "function_call":
+        return Message(role, "", train, tool_calls=_tool_calls(value, f"{where}.value", source))
+    return Message(role, value, train)
+
+
+def _turns(raw: dict[str, Any], source: str, key: str) -> tuple[Message, ...]:
+    """The turns of a chat (``messages``) or ShareGPT (``conversations``) record."""
     turns = raw[key]
     if not isinstance(turns, list) or not turns:
         raise DataError(source, f"field '{key}' must be a non-empty list", reason="bad_type")
+    parse = _chat_turn if key == "messages" else _sharegpt_turn
     messages = []
     for i, turn in enumerate(turns):
         where = f"{key}[{i}]"
         if not isinstance(turn, dict):
-            raise DataError(
-                source, f"field '{where}' must be an object with {role_key} and {text_key}", "bad_type"
-            )
-        name = _string_field(turn, role_key, source=f"{source}: {where}")
-        if name not in roles:
-            expected = tuple(roles)
-            raise DataError(
-                source, f"field '{where}.{role_key}' is {name!r}; expected one of {expected}", "bad_role"
-            )
-        role = roles[name]
-        content = _string_field(turn, text_key, source=f"{source}: {where}")
-        messages.append(Message(role, content, _train_flag(turn, role, where, source)))
+            fields = "role and content" if key == "messages" else "from and value"
+            raise DataError(source, f"field '{where}' must be an object with {fields}", "bad_type")
+        messages.append(parse(turn, where, source))
     return tuple(messages)
 
 
@@ -135,7 +277,7 @@ def _check_conversation(
     messages: tuple[Message, ...], source: str, field: str = "messages", text: str = "content"
 ) -> None:
     for i, message in enumerate(messages):
-        if not message.content.strip():
+        if not message.content.strip() and message.tool_calls is None:
             raise DataError(source, f"field '{field}[{i}].{text}' ({message.role}) is empty", "empty_content")
     if messages[-1].role != "assistant":
         last = len(messages) - 1
@@ -147,20 +289,22 @@ def _check_conversation(
         )
 
 
-def to_record(raw: Any, source: str, fmt: RecordFormat = "auto") -> Record:
-    """Turn one parsed JSON value into a :class:`Record`, checking its fields."""
+def to_record(
+    raw: Any, source: str, fmt: RecordFormat = "auto", columns: dict[str, str] | None = None
+) -> Record:
+    """Turn one parsed JSON value (or table row) into a :class:`Record`, checking its fields."""
     if not isinstance(raw, dict):
         raise DataError(source, f"record must be a JSON object, got {type(raw).__name__}", "bad_type")
+    raw = map_columns(raw, columns or {}, source)
     if fmt == "auto":
         fmt = detect_format(raw, source)
+    tools = None
     if fmt in ("chat", "sharegpt"):
         key = "messages" if fmt == "chat" else "conversations"
         if key not in raw:
             raise DataError(source, f"field '{key}' is missing", reason="missing_field")
-        if fmt == "chat":
-            messages = _turns(raw, source, key, "role", "content", {role: role for role in ROLES})
-        else:
-            messages = _turns(raw, source, key, "from", "value", SHAREGPT_ROLES)
+        messages = _turns(raw, source, key)
+        tools = _tools(raw, source)
     elif fmt == "alpaca":
         instruction = _string_field(raw, "instruction", source)
         extra = _string_field(raw, "input", source, optional=True)
@@ -175,99 +319,4 @@ def to_record(raw: Any, source: str, fmt: RecordFormat = "auto") -> Record:
         _check_conversation(messages, source, "conversations", "value")
     else:
         _check_conversation(messages, source)
-    return Record(messages, source)
-
-
-@dataclass(frozen=True)
-class RawRecord:
-    """One record as read: its text, where it is, and its parsed value or why it could not be parsed."""
-
-    text: str
-    source: str
-    value: Any = None
-    error: DataError | None = None
-
-
-def iter_raw(path: Path) -> Iterator[RawRecord]:
-    """Each record of a JSON array file or of a JSON Lines file (blank lines in between are errors,
-    a truncated line is named as such)."""
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as err:  # the whole file is unusable: always an error
-            raise DataError(f"{path}:{err.lineno}", f"invalid JSON: {err.msg}", "invalid_json") from err
-        for index, value in enumerate(values, start=1):
-            yield RawRecord(json.dumps(value), f"{path}[record {index}]", value)
-        return
-    lines = text.splitlines()
-    while lines and not lines[-1].strip():  # trailing empty lines end the file
-        lines.pop()
-    for lineno, line in enumerate(lines, start=1):
-        source = f"{path}:{lineno}"
-        if not line.strip():
-            yield RawRecord(line, source, error=DataError(source, "blank line", "blank_line"))
-            continue
-        try:
-            yield RawRecord(line, source, json.loads(line))
-        except json.JSONDecodeError as err:
-            if err.pos >= len(line.rstrip()) or err.msg.startswith("Unterminated string"):
-                error = DataError(
-                    source, f"line is truncated: the JSON ends early ({err.msg})", "truncated_line"
-                )
-            else:
-                error = DataError(source, f"invalid JSON at column {err.colno}: {err.msg}", "invalid_json")
-            yield RawRecord(line, source, error=error)
-
-
-TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
-"""Files read as tables through ``datasets`` (besides ``save_to_disk`` folders)."""
-
-
-def iter_table_rows(path: Path) -> Iterator[RawRecord]:
-    """Each row of a parquet / arrow / csv file or a ``save_to_disk`` folder, as a record."""
-    import datasets
-
-    if path.is_dir():
-        dataset = datasets.load_from_disk(str(path))
-        if isinstance(dataset, datasets.DatasetDict):
-            splits = ", ".join(f"{path / name}" for name in dataset)
-            raise DataError(
-                str(path), f"holds several splits: name one of their folders ({splits})", "bad_type"
-            )
-    elif path.suffix == ".parquet":
-        dataset = datasets.Dataset.from_parquet(str(path))
-    elif path.suffix == ".csv":
-        dataset = datasets.Dataset.from_csv(str(path))
-    else:
-        dataset = datasets.Dataset.from_file(str(path))
-    for index, row in enumerate(dataset):
-        yield RawRecord(json.dumps(row, default=str), f"{path}:row {index}", row)
-
-
-def read_records(
-    path: str | Path, fmt: RecordFormat = "auto", on_bad: Callable[[RawRecord, DataError], None] | None = None
-) -> list[Record]:
-    """Read every record of a ``.json``/``.jsonl`` file, a table file or a ``save_to_disk`` folder.
-
-    Args:
-        path: the file.
-        fmt: record format, or ``auto`` to tell it from each record's keys.
-        on_bad: called with each bad record and its error, which is then skipped; without it the
-            first bad record raises its :class:`DataError`.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"data file {path} does not exist")
-    table = path.is_dir() or path.suffix in TABLE_SUFFIXES
-    records = []
-    for raw in iter_table_rows(path) if table else iter_raw(path):
-        try:
-            if raw.error is not None:
-                raise raw.error
-            records.append(to_record(raw.value, raw.source, fmt))
-        except DataError as error:
-            if on_bad is None:
-                raise
-            on_bad(raw, error)
-    return records
+    return Record(messages, source, tools)

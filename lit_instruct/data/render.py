@@ -19,6 +19,7 @@ refuses it, ``per_turn`` splits every conversation.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -136,10 +137,11 @@ class ChatRenderer:
     def _render(self, record: Record, count: int, add_generation_prompt: bool = False) -> str:
         from jinja2 import TemplateError
 
-        messages = [{"role": m.role, "content": m.content} for m in record.messages[:count]]
+        messages = [m.for_template() for m in record.messages[:count]]
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
+                tools=json.loads(record.tools) if record.tools else None,
                 chat_template=self.chat_template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
@@ -150,15 +152,18 @@ class ChatRenderer:
             ) from error
 
     def _check_content(self, record: Record) -> None:
+        if self._special_text is None:
+            return
         for i, message in enumerate(record.messages):
-            found = self._special_text.search(message.content) if self._special_text else None
-            if found:
-                raise DataError(
-                    record.source,
-                    f"messages[{i}].content contains the special token {found.group()!r}, which would "
-                    "break the template's turn structure",
-                    reason="special_token_in_content",
-                )
+            for field, text in (("content", message.content), ("reasoning", message.reasoning or "")):
+                found = self._special_text.search(text)
+                if found:
+                    raise DataError(
+                        record.source,
+                        f"messages[{i}].{field} contains the special token {found.group()!r}, which "
+                        "would break the template's turn structure",
+                        reason="special_token_in_content",
+                    )
 
     def answer_turns(self, record: Record) -> list[AnswerTurn]:
         """Each assistant turn rendered against its own prefix, with the span it must produce."""

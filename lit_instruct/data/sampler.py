@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -19,6 +20,12 @@ class InstructSampler(DistributedSampler):
     so ``W`` ranks with batch ``B`` see the same global batches as one process with batch ``B*W``. The
     order is padded by repeating its start to a multiple of ``W``, so every rank has as many batches.
 
+    With ``sources`` and ``weights`` (a mixture), each epoch first draws its samples: source ``s``
+    of ``n_s`` samples and weight ``w_s`` contributes ``round(w_s * n_s)`` of them, as whole passes
+    over the source in a fresh seeded order plus the start of one more (so no sample is drawn more
+    than ``ceil(w_s)`` times, and a weight below 1 takes a different subset each epoch); with
+    ``replacement`` they are drawn independently. The draw is then ordered as above.
+
     :meth:`resume_at` makes the next iteration over that epoch start after the batches already
     trained on. Being a ``DistributedSampler``, Lightning uses it as it is under DDP.
 
@@ -30,6 +37,9 @@ class InstructSampler(DistributedSampler):
         group_by_length: group samples of similar length into batches.
         group_size: how many global batches' worth of samples are sorted together.
         seed: base seed of the shuffles.
+        sources: the source index of each sample (for ``weights``).
+        weights: per source, how many times each of its samples is drawn per epoch on average.
+        replacement: draw a mixture's samples with replacement.
     """
 
     def __init__(
@@ -42,6 +52,9 @@ class InstructSampler(DistributedSampler):
         group_by_length: bool = False,
         group_size: int = 32,
         seed: int = 0,
+        sources: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
+        replacement: bool = False,
     ) -> None:
         if batch_size < 1 or group_size < 1:
             raise ValueError(f"batch_size and group_size must be >= 1, got {batch_size}, {group_size}")
@@ -53,6 +66,38 @@ class InstructSampler(DistributedSampler):
         self.group_by_length = group_by_length
         self.group_size = group_size
         self._resume: tuple[int, int] | None = None
+        self.members: list[list[int]] | None = None
+        self.weights = list(weights) if weights is not None else None
+        self.replacement = replacement
+        if self.weights is not None:
+            if sources is None or len(sources) != len(lengths):
+                raise ValueError("weights need the source index of every sample")
+            self.members = [[] for _ in self.weights]
+            for index, source in enumerate(sources):
+                self.members[source].append(index)
+            self.draws = [round(w * len(m)) for w, m in zip(self.weights, self.members, strict=True)]
+            self.num_samples = math.ceil(sum(self.draws) / self.num_replicas)
+            self.total_size = self.num_samples * self.num_replicas
+
+    def epoch_pool(self, epoch: int, generator: torch.Generator) -> list[int]:
+        """The samples drawn for ``epoch`` (each source's, in source order)."""
+        if self.members is None:
+            return list(range(len(self.lengths)))
+        pool: list[int] = []
+        for members, draws in zip(self.members, self.draws, strict=True):
+            if not members:
+                continue
+            if self.replacement:
+                picks = torch.randint(len(members), (draws,), generator=generator).tolist()
+            else:
+                passes = -(-draws // len(members))
+                picks = [
+                    i
+                    for _ in range(passes)
+                    for i in torch.randperm(len(members), generator=generator).tolist()
+                ]
+            pool += [members[i] for i in picks[:draws]]
+        return pool
 
     def resume_at(self, epoch: int, batches_done: int) -> None:
         """Skip the first ``batches_done`` batches when epoch ``epoch`` is iterated next."""
@@ -61,7 +106,8 @@ class InstructSampler(DistributedSampler):
     def global_order(self, epoch: int) -> list[int]:
         """All ranks' samples of ``epoch``, in global-batch order (before padding)."""
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(len(self.lengths), generator=generator).tolist()
+        pool = self.epoch_pool(epoch, generator)
+        order = [pool[i] for i in torch.randperm(len(pool), generator=generator).tolist()]
         if not self.group_by_length:
             return order
         global_batch = self.batch_size * self.num_replicas

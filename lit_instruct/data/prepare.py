@@ -1,0 +1,212 @@
+"""Sources -> tokenized train and validation stores, cached on disk.
+
+The steps: read each source (bad records raise or are counted and kept for the rejects file), drop
+repeated conversations across all sources (before any split, so nothing held out is also trained
+on), hold out each source's ``val_fraction`` (seeded, independent of the training seed) unless
+validation sources are given, then render and tokenize (:mod:`lit_instruct.data.tokenize`).
+
+The result is cached in ``<cache_dir>/<key>/`` where the key digests the sources' contents and
+settings, the tokenizer, every chat template and the data settings: a second run with the same
+inputs memory-maps the stores instead of reading and tokenizing again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lit_instruct.data.records import Record
+from lit_instruct.data.render import ChatRenderer, MultiTurn
+from lit_instruct.data.sources import DataSource, fingerprint, read_source
+from lit_instruct.data.store import SampleStore
+from lit_instruct.data.tokenize import TokenizeSettings, tokenize
+from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
+
+CACHE_FORMAT = 1  # bump when what a cached store holds, or how it is made, changes
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """Everything besides the sources and the tokenizer that decides the samples."""
+
+    max_seq_len: int = 512
+    multi_turn: MultiTurn = "auto"
+    chat_template: str | None = None
+    val_fraction: float = 0.05
+    split_seed: int = 1234
+    deduplicate: bool = True
+    on_bad_record: BadRecordPolicy = "raise"
+    on_long_sample: LongSamplePolicy = "truncate"
+
+
+@dataclass
+class PreparedData:
+    """Train and validation stores, counts per split and source, rejected records, and whether it
+    came from the cache."""
+
+    train: SampleStore
+    val: SampleStore
+    counts: dict[str, dict[str, Counter[str]]]
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    cached: bool = False
+
+    def totals(self, split: str) -> Counter[str]:
+        """The counts of ``split`` summed over sources."""
+        return sum(self.counts[split].values(), Counter())
+
+
+def drop_duplicates(records: list[Record], seen: set[Any], counts: Counter[str]) -> list[Record]:
+    """Keep the first of identical conversations (``seen`` spans all sources)."""
+    unique = []
+    for record in records:
+        if record.key in seen:
+            counts["dropped_duplicate"] += 1
+            continue
+        seen.add(record.key)
+        unique.append(record)
+    return unique
+
+
+def hold_out(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
+    """A seeded ``fraction`` of ``records`` held out, both parts in reading order."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    held_out = set(order[: round(len(records) * fraction)])
+    return [r for i, r in enumerate(records) if i not in held_out], [records[i] for i in sorted(held_out)]
+
+
+def cache_key(
+    train: Sequence[DataSource],
+    val: Sequence[DataSource],
+    tokenizer: Any,
+    settings: DataSettings,
+    vocab: int | None,
+) -> str:
+    """A digest of every input of :func:`prepare`; weights are left out (they do not change samples)."""
+
+    def described(source: DataSource) -> dict[str, Any]:
+        return {**asdict(source), "weight": None, "contents": fingerprint(source)}
+
+    backend = tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else ""
+    inputs = {
+        "format": CACHE_FORMAT,
+        "train": [described(s) for s in train],
+        "val": [described(s) for s in val],
+        "tokenizer": hashlib.sha256(backend.encode()).hexdigest(),
+        "special_tokens": str(tokenizer.special_tokens_map),
+        "tokenizer_template": tokenizer.chat_template,
+        "settings": asdict(settings),
+        "vocab_size": vocab,
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _read(
+    sources: Sequence[DataSource], split: str, rejects: Rejects, counts: dict[str, dict[str, Counter[str]]]
+) -> list[list[Record]]:
+    result = []
+    for source in sources:
+        assert source.name is not None  # set in DataSource.__post_init__
+        source_counts = counts[split].setdefault(source.name, Counter())
+        result.append(read_source(source, rejects.on_bad_raw(source_counts), source_counts))
+    return result
+
+
+def prepare(
+    train_sources: Sequence[DataSource],
+    val_sources: Sequence[DataSource],
+    tokenizer: Any,
+    settings: DataSettings,
+    vocab_size: int | None = None,
+    num_proc: int = 1,
+    cache_dir: Path | None = None,
+) -> PreparedData:
+    """The tokenized train and validation stores of the sources (from ``cache_dir`` if there).
+
+    Train sources hold out their ``val_fraction`` (else ``settings.val_fraction``) only when there
+    are no ``val_sources``, or when they set it themselves.
+    """
+    names = [s.name or "" for s in train_sources]
+    val_names = [s.name or "" for s in val_sources]
+    for kind, listed in (("training", names), ("validation", val_names)):
+        repeated = sorted({n for n in listed if listed.count(n) > 1})
+        if repeated:
+            raise ValueError(f"several {kind} sources are named {repeated}: give each a distinct name")
+    folder = None
+    if cache_dir is not None:
+        folder = cache_dir / cache_key(train_sources, val_sources, tokenizer, settings, vocab_size)
+        if (folder / "meta.json").exists():
+            return _load(folder)
+    counts: dict[str, dict[str, Counter[str]]] = {"train": {}, "val": {}}
+    rejects = Rejects(settings.on_bad_record)
+    train_records = _read(train_sources, "train", rejects, counts)
+    if settings.deduplicate:
+        seen: set[Any] = set()
+        train_records = [
+            drop_duplicates(records, seen, counts["train"][name])
+            for records, name in zip(train_records, names, strict=True)
+        ]
+    val_records = _read(val_sources, "val", rejects, counts)
+    held_out = []
+    for i, source in enumerate(train_sources):
+        fraction = source.val_fraction if source.val_fraction is not None else settings.val_fraction
+        if val_sources and source.val_fraction is None:
+            fraction = 0.0
+        train_records[i], kept_out = hold_out(train_records[i], fraction, settings.split_seed)
+        held_out.append(kept_out)
+    if not val_sources:  # held-out parts are the validation sources, under the same names
+        val_records, val_names = held_out, names
+    else:
+        val_records += [r for r in held_out if r]
+        val_names += [n for n, r in zip(names, held_out, strict=True) if r]
+    renderers = {s.chat_template or settings.chat_template: None for s in [*train_sources, *val_sources]}
+    for template in renderers:
+        renderers[template] = ChatRenderer(tokenizer, settings.max_seq_len, template, settings.multi_turn)
+
+    def settings_for(sources: Sequence[DataSource]) -> TokenizeSettings:
+        chosen = [renderers[s.chat_template or settings.chat_template] for s in sources]
+        return TokenizeSettings(chosen, settings.on_bad_record, settings.on_long_sample, vocab_size)  # type: ignore[arg-type]
+
+    train, train_counts, train_rejects = tokenize(train_records, settings_for(train_sources), names, num_proc)
+    val_of = {s.name: s for s in [*val_sources, *train_sources]}
+    val, val_counts, val_rejects = tokenize(
+        val_records, settings_for([val_of[n] for n in val_names]), val_names, num_proc
+    )
+    for split, names_, split_counts in (("train", names, train_counts), ("val", val_names, val_counts)):
+        for name, source_counts in zip(names_, split_counts, strict=True):
+            counts[split].setdefault(name, Counter()).update(source_counts)
+    prepared = PreparedData(train, val, counts, rejects.rows + train_rejects + val_rejects)
+    if folder is not None:
+        _save(prepared, folder)
+    return prepared
+
+
+def _save(prepared: PreparedData, folder: Path) -> None:
+    from lit_instruct.export import atomic_directory
+
+    with atomic_directory(folder) as staging:
+        prepared.train.save(staging / "train")
+        prepared.val.save(staging / "val")
+        meta = {"counts": prepared.counts, "rejects": prepared.rejects}
+        (staging / "meta.json").write_text(json.dumps(meta, ensure_ascii=False))
+
+
+def _load(folder: Path) -> PreparedData:
+    meta = json.loads((folder / "meta.json").read_text())
+    counts = {
+        split: {name: Counter(c) for name, c in by_source.items()}
+        for split, by_source in meta["counts"].items()
+    }
+    return PreparedData(
+        SampleStore.load(folder / "train"),
+        SampleStore.load(folder / "val"),
+        counts,
+        meta["rejects"],
+        cached=True,
+    )

@@ -1,0 +1,278 @@
+"""Where records come from: files, folders, ``save_to_disk`` datasets and Hugging Face Hub ids.
+
+JSON arrays and JSON Lines are read here (so that errors name the line); parquet, arrow and csv files,
+``save_to_disk`` folders and hub datasets are read through ``datasets`` (memory-mapped, a row at a
+time; errors name the file and row). A folder that is not a saved dataset is read file by file, in
+name order. A hub id is tried only when no such local path exists; without a network it fails within
+seconds (see :func:`load_hub_dataset`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from lit_instruct.data.chatterbot import corpus_dir, read_chatterbot
+from lit_instruct.data.records import DataError, Record, RecordFormat, to_record
+
+TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
+"""Files read as tables through ``datasets``."""
+DATA_SUFFIXES = (".json", ".jsonl", *TABLE_SUFFIXES)
+HUB_PROBE_TIMEOUT_S = 3.0
+CHATTERBOT = "chatterbot:"
+"""Path prefix of the bundled chatterbot corpus: ``chatterbot:all``, ``chatterbot:greetings,ai``."""
+
+
+@dataclass
+class DataSource:
+    """One dataset of a mixture.
+
+    Args:
+        path: a JSON/JSONL/parquet/arrow/csv file, a folder of them, a ``save_to_disk`` folder, or a
+            Hugging Face Hub dataset id.
+        name: the source's name in counts and metrics (``val/loss/<name>``); default: the file stem
+            or the id's last part.
+        split: the split of a hub dataset or of a ``save_to_disk`` folder holding several.
+        format: record format, or ``auto`` to detect it per record.
+        columns: our field name -> the dataset's (``{"instruction": "question", "output": "answer"}``,
+            ``{"messages": "dialog"}``).
+        weight: how many times each sample is drawn per epoch on average (``2``: twice, ``0.5``: a
+            different half each epoch), so sources mix in proportion to ``weight x size``.
+        val_fraction: share held out for validation (default: the data module's).
+        chat_template: this source's template (Jinja, or ``alpaca``), else the data module's.
+    """
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    format: RecordFormat = "auto"
+    columns: dict[str, str] = field(default_factory=dict)
+    weight: float = 1.0
+    val_fraction: float | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError(f"data source {self.path}: weight must be > 0, got {self.weight}")
+        if self.val_fraction is not None and not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(
+                f"data source {self.path}: val_fraction must be in [0, 1), got {self.val_fraction}"
+            )
+        if self.name is None and self.path.startswith(CHATTERBOT):
+            self.name = "chatterbot"
+        if self.name is None:
+            path = Path(self.path)
+            self.name = path.stem if path.exists() else self.path.rstrip("/").split("/")[-1]
+
+    @property
+    def is_local(self) -> bool:
+        """Whether ``path`` is on this machine (else a hub id, or the bundled chatterbot corpus)."""
+        return Path(self.path).exists()
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One record as read: its text, where it is, and its parsed value or why it could not be parsed."""
+
+    text: str
+    source: str
+    value: Any = None
+    error: DataError | None = None
+
+
+def iter_json(path: Path) -> Iterator[RawRecord]:
+    """Each record of a JSON array file or of a JSON Lines file (blank lines in between are errors,
+    a truncated line is named as such)."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as err:  # the whole file is unusable: always an error
+            raise DataError(f"{path}:{err.lineno}", f"invalid JSON: {err.msg}", "invalid_json") from err
+        for index, value in enumerate(values, start=1):
+            yield RawRecord(json.dumps(value), f"{path}[record {index}]", value)
+        return
+    lines = text.splitlines()
+    while lines and not lines[-1].strip():  # trailing empty lines end the file
+        lines.pop()
+    for lineno, line in enumerate(lines, start=1):
+        source = f"{path}:{lineno}"
+        if not line.strip():
+            yield RawRecord(line, source, error=DataError(source, "blank line", "blank_line"))
+            continue
+        try:
+            yield RawRecord(line, source, json.loads(line))
+        except json.JSONDecodeError as err:
+            if err.pos >= len(line.rstrip()) or err.msg.startswith("Unterminated string"):
+                error = DataError(
+                    source, f"line is truncated: the JSON ends early ({err.msg})", "truncated_line"
+                )
+            else:
+                error = DataError(source, f"invalid JSON at column {err.colno}: {err.msg}", "invalid_json")
+            yield RawRecord(line, source, error=error)
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """Whether ``folder`` was written by ``Dataset(Dict).save_to_disk``."""
+    return any((folder / name).exists() for name in ("state.json", "dataset_dict.json"))
+
+
+def load_table(path: Path, split: str = "train") -> Any:
+    """A parquet / arrow / csv file or a ``save_to_disk`` folder as a ``datasets.Dataset``."""
+    import datasets
+
+    if path.is_dir():
+        dataset = datasets.load_from_disk(str(path))
+        if isinstance(dataset, datasets.DatasetDict):
+            if split not in dataset:
+                splits = ", ".join(dataset)
+                raise DataError(
+                    str(path), f"has no split {split!r} (it has: {splits}); set split", "bad_type"
+                )
+            dataset = dataset[split]
+        return dataset
+    if path.suffix == ".parquet":
+        return datasets.Dataset.from_parquet(str(path))
+    if path.suffix == ".csv":
+        return datasets.Dataset.from_csv(str(path))
+    return datasets.Dataset.from_file(str(path))
+
+
+def iter_rows(dataset: Any, where: str) -> Iterator[RawRecord]:
+    """Each row of a ``datasets.Dataset`` as a record located ``<where>:row N``."""
+    for index, row in enumerate(dataset):
+        yield RawRecord(json.dumps(row, default=str), f"{where}:row {index}", row)
+
+
+def hub_reachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the hub's endpoint opens within ``timeout`` seconds."""
+    url = urlparse(endpoint)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def load_hub_dataset(repo_id: str, split: str) -> Any:
+    """A hub dataset's split, from the network or the local ``datasets`` cache.
+
+    With ``HF_HUB_OFFLINE=1``, or when the hub's endpoint does not answer within a few seconds, the
+    load runs in offline mode (the cache only) instead of spending minutes in retries; a dataset
+    that is not cached is then a :class:`DataError` that says so.
+    """
+    import datasets
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    offline = bool(hub.HF_HUB_OFFLINE) or not hub_reachable(hub.ENDPOINT)
+    saved = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = offline or saved[0]
+    try:
+        return datasets.load_dataset(repo_id, split=split)
+    except (ConnectionError, FileNotFoundError, OSError) as error:
+        if not offline:
+            raise DataError(repo_id, f"could not load the hub dataset: {error}", "missing_source") from error
+        why = "HF_HUB_OFFLINE is set" if saved[0] else f"the Hugging Face Hub ({hub.ENDPOINT}) is unreachable"
+        raise DataError(
+            repo_id,
+            f"is neither a local path nor a cached hub dataset, and {why}: download it once where there "
+            f"is a network (it is then kept in {datasets.config.HF_DATASETS_CACHE}), or point path at local "
+            "files",
+            "missing_source",
+        ) from error
+    finally:
+        hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+def data_files(path: Path) -> list[Path]:
+    """The files a local source reads: itself, or a plain folder's data files in name order."""
+    if not path.is_dir() or is_saved_dataset(path):
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+    if not files:
+        raise DataError(str(path), f"holds no data file ({', '.join(DATA_SUFFIXES)})", "missing_source")
+    return files
+
+
+def iter_source(source: DataSource) -> Iterator[RawRecord]:
+    """Every raw record of ``source``, in order."""
+    path = Path(source.path)
+    if not source.is_local:
+        if path.suffix in DATA_SUFFIXES or source.path.startswith((".", "/", "~")):
+            raise FileNotFoundError(f"data file {path} does not exist")
+        yield from iter_rows(load_hub_dataset(source.path, source.split), f"{source.path}[{source.split}]")
+        return
+    for file in data_files(path):
+        if file.is_dir() or file.suffix in TABLE_SUFFIXES:
+            yield from iter_rows(load_table(file, source.split), str(file))
+        else:
+            yield from iter_json(file)
+
+
+def chatterbot_categories(source: DataSource) -> list[str] | None:
+    """The categories of a ``chatterbot:<a,b|all>`` source (``None``: all), else raises ``ValueError``."""
+    if not source.path.startswith(CHATTERBOT):
+        raise ValueError(f"{source.path} is not a chatterbot source")
+    names = source.path[len(CHATTERBOT) :].split(",")
+    return None if names in (["all"], [""]) else names
+
+
+def read_source(
+    source: DataSource | str | Path,
+    on_bad: Callable[[RawRecord, DataError], None] | None = None,
+    counts: Counter[str] | None = None,
+) -> list[Record]:
+    """Every record of a source (a :class:`DataSource` or a path).
+
+    Args:
+        source: what to read.
+        on_bad: called with each bad record and its error, which is then skipped; without it the
+            first bad record raises its :class:`DataError`.
+        counts: receives what the chatterbot reader leaves off.
+    """
+    if not isinstance(source, DataSource):
+        source = DataSource(str(source))
+    if source.path.startswith(CHATTERBOT):
+        return read_chatterbot(chatterbot_categories(source), counts=counts)
+    records = []
+    for raw in iter_source(source):
+        try:
+            if raw.error is not None:
+                raise raw.error
+            records.append(to_record(raw.value, raw.source, source.format, source.columns))
+        except DataError as error:
+            if on_bad is None:
+                raise
+            on_bad(raw, error)
+    return records
+
+
+def fingerprint(source: DataSource) -> str:
+    """A digest of what ``source`` reads: its files' contents, or a hub dataset's fingerprint."""
+    digest = hashlib.sha256()
+    if source.path.startswith(CHATTERBOT):
+        categories = chatterbot_categories(source)
+        files = sorted(corpus_dir().glob("*.yml"))
+        for file in files if categories is None else [f for f in files if f.stem in categories]:
+            digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        return digest.hexdigest()
+    if not source.is_local:
+        digest.update(load_hub_dataset(source.path, source.split)._fingerprint.encode())
+        return digest.hexdigest()
+    for file in data_files(Path(source.path)):
+        parts = sorted(p for p in file.rglob("*") if p.is_file()) if file.is_dir() else [file]
+        for part in parts:
+            digest.update(os.fsencode(part.relative_to(file) if file.is_dir() else part.name) + b"\0")
+            with part.open("rb") as handle:
+                while block := handle.read(1 << 22):
+                    digest.update(block)
+    return digest.hexdigest()
