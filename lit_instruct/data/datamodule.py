@@ -21,6 +21,18 @@ from lit_instruct.data.store import SampleStore
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 
 
+def unique_names(sources: list[DataSource], taken: list[DataSource]) -> list[DataSource]:
+    """Shorthand sources named after their files, ``-2``, ``-3``... where stems repeat."""
+    names = {s.name for s in taken}
+    for source in sources:
+        base, n = source.name, 1
+        while source.name in names:
+            n += 1
+            source.name = f"{base}-{n}"
+        names.add(source.name)
+    return sources
+
+
 class InstructDataModule(L.LightningDataModule):
     """Instruction data for causal-LM fine-tuning: files, folders, hub datasets, mixtures of them.
 
@@ -102,7 +114,9 @@ class InstructDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in sources or []]
-        self.sources += [DataSource(path, format=format) for path in train_files or []]
+        self.sources += unique_names(
+            [DataSource(path, format=format) for path in train_files or []], self.sources
+        )
         if chatterbot_categories:
             self.sources.append(DataSource(CHATTERBOT + ",".join(chatterbot_categories)))
         if not self.sources:
@@ -113,7 +127,7 @@ class InstructDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.save_hyperparameters()
         self.tokenizer_name = tokenizer
-        self.val_sources = [DataSource(path, format=format) for path in val_files or []]
+        self.val_sources = unique_names([DataSource(path, format=format) for path in val_files or []], [])
         self.settings = DataSettings(
             max_seq_len,
             multi_turn,

@@ -55,7 +55,7 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class Message:
-    """One turn of a conversation (hashable: tool calls are kept as canonical JSON)."""
+    """One turn of a conversation (hashable: tool calls are kept as JSON text)."""
 
     role: str
     content: str
@@ -166,7 +166,7 @@ def _json_value(value: Any, field: str, source: str) -> Any:
 
 
 def _tool_calls(value: Any, field: str, source: str) -> str:
-    """Tool calls in the layout chat templates expect (arguments as an object), as canonical JSON."""
+    """Tool calls in the layout chat templates expect (arguments as an object), as JSON."""
     calls = _json_value(value, field, source)
     if isinstance(calls, dict):
         calls = [calls]
@@ -188,17 +188,17 @@ def _tool_calls(value: Any, field: str, source: str) -> str:
         if isinstance(call, dict) and call.get("id") is not None:
             entry["id"] = str(call["id"])
         normalized.append(entry)
-    return json.dumps(normalized, sort_keys=True, ensure_ascii=False)
+    return json.dumps(normalized, ensure_ascii=False)  # key order kept: templates print it
 
 
 def _tools(raw: dict[str, Any], source: str) -> str | None:
-    """The record's tool definitions (a list of JSON schemas) as canonical JSON."""
+    """The record's tool definitions (a list of JSON schemas) as JSON."""
     tools = _json_value(raw.get("tools"), "tools", source)
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise DataError(source, "field 'tools' must be a list of tool definitions (objects)", "bad_type")
-    return json.dumps(tools, sort_keys=True, ensure_ascii=False)
+    return json.dumps(tools, ensure_ascii=False)
 
 
 def _train_flag(turn: dict[str, Any], role: str, where: str, source: str) -> bool:

@@ -85,5 +85,8 @@ def tokenize(
     for source, _, chunk_counts, rows in results:
         counts[source].update(chunk_counts)
         rejects += rows
+    for source_counts in counts:  # a source with nothing left says so
+        source_counts["samples"] += 0
+        source_counts["response_tokens"] += 0
     empty = SampleStore.build([], names)
     return SampleStore.concatenate([empty] + [part for _, part, _, _ in results], names), counts, rejects
