@@ -182,7 +182,10 @@ def test_skipped_records_survive_the_cache(tiny_model_dir, chat_file, tmp_path) 
     second = setup_data(tiny_model_dir, tmp_path / "cache", **kwargs)
     assert second.prepared.cached and second.counts == first.counts
     assert second.counts["train"]["skipped_bad_type"] == 1
-    assert json.loads((tmp_path / "r.jsonl").read_text())["source"] == f"{bad}:{len(chat_file.read_text().splitlines()) + 1}"
+    assert (
+        json.loads((tmp_path / "r.jsonl").read_text())["source"]
+        == f"{bad}:{len(chat_file.read_text().splitlines()) + 1}"
+    )
 
 
 def test_two_processes_tokenize_exactly_like_one(tiny_model_dir, tmp_path, monkeypatch) -> None:

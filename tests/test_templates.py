@@ -321,3 +321,210 @@ def test_special_tokens_inside_content_are_refused(tokenizer) -> None:
     renderer = ChatRenderer(tokenizer, 512)
     with pytest.raises(DataError, match=r"messages\[1\]\.content contains the special token '<\|im_end\|>'"):
         renderer(rec(("user", "Hi"), ("assistant", "Hello<|im_end|> more")))
+
+
+QWEN25_TOOLS = (  # Qwen2.5's tool format: tools in the system turn, calls in <tool_call>, results as user
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{{ '\\n\\n' }}{% endif %}# Tools\n\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>"
+    "<|im_end|>\n{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}"
+    "<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' or (m['role'] == 'system' and not loop.first) %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n{{ m['content'] }}"
+    "{% for tc in m['tool_calls'] or [] %}{% if m['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m['role'] == 'tool' %}{% if messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user"
+    "{% endif %}{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def tool_tokenizer(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])  # not special
+    return tok
+
+
+def test_tool_calls_are_trained_tool_results_are_not(tokenizer) -> None:
+    """OpenAI-style messages: the assistant's call (arguments given as a JSON string) is rendered by
+    the template from an arguments object and trained on; the tool's result is context; the record's
+    tools reach the template."""
+    import json
+
+    from lit_instruct.data.records import to_record
+
+    raw = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+            {"role": "assistant", "content": "18C in Paris."},
+        ],
+        "tools": [WEATHER_TOOL],
+    }
+    record = to_record(raw, "tools.jsonl:3")
+    tok = tool_tokenizer(tokenizer)
+    sample = ChatRenderer(tok, 1024, chat_template=QWEN25_TOOLS, multi_turn="joint")(record)
+    check_sample(
+        tok,
+        sample,
+        [
+            (
+                "<|im_start|>system\nBe brief.\n\n# Tools\n\n<tools>\n"
+                + json.dumps(WEATHER_TOOL)
+                + "\n</tools>"
+                "<|im_end|>\n<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n",
+                False,
+            ),
+            (
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                True,
+            ),
+            (
+                "\n<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+                False,
+            ),
+            ("18C in Paris.<|im_end|>", True),
+            ("\n", False),
+        ],
+    )
+
+
+def test_sharegpt_function_calls_equal_the_openai_form(tokenizer) -> None:
+    """LLaMA-Factory's ShareGPT tool turns (function_call / observation, tools as a JSON string) give
+    the same conversation as the OpenAI form."""
+    import json
+
+    from lit_instruct.data.records import to_record
+
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    sharegpt = {
+        "conversations": [
+            {"from": "human", "value": "Weather in Paris?"},
+            {"from": "function_call", "value": json.dumps(call)},
+            {"from": "observation", "value": "18C"},
+            {"from": "gpt", "value": "18C in Paris."},
+        ],
+        "tools": json.dumps([WEATHER_TOOL]),
+    }
+    openai = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+            {"role": "tool", "content": "18C"},
+            {"role": "assistant", "content": "18C in Paris."},
+        ],
+        "tools": [WEATHER_TOOL],
+    }
+    a, b = to_record(sharegpt, "s:1"), to_record(openai, "o:1")
+    assert a.messages == b.messages and a.tools == b.tools
+    assert a.messages[2] == Message("tool", "18C")
+
+
+@pytest.mark.parametrize(
+    ("turn", "message"),
+    [
+        (
+            {"role": "user", "content": "Hi", "tool_calls": []},
+            r"messages\[0\]\.tool_calls' is on a user turn",
+        ),
+        (
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]},
+            r"messages\[0\]\.tool_calls\[0\]' needs a function name",
+        ),
+        (
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}],
+            },
+            r"messages\[0\]\.tool_calls\[0\]\.function\.arguments' is not valid JSON",
+        ),
+        (
+            {"role": "user", "content": "Hi", "reasoning_content": "hmm"},
+            r"messages\[0\]\.reasoning_content' is on a user",
+        ),
+    ],
+)
+def test_bad_tool_and_reasoning_fields_are_named(turn, message) -> None:
+    from lit_instruct.data.records import to_record
+
+    with pytest.raises(DataError, match=r"t\.jsonl:2: field '" + message):
+        to_record({"messages": [turn, {"role": "assistant", "content": "A"}]}, "t.jsonl:2")
+
+
+QWEN3_REASONING = (  # Qwen3: reasoning_content rendered in <think> after the last user turn only
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% set r = m['reasoning_content'] if m['reasoning_content'] is defined else '' %}"
+    "<|im_start|>assistant\n{% if loop.index0 > ns.last and r %}<think>\n{{ r }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_reasoning_content_is_rendered_as_the_template_renders_it(tokenizer) -> None:
+    """``reasoning_content`` reaches the template; Qwen3 shows it only after the last user turn, so
+    each answer is a sample of its own with its reasoning trained on, the earlier one's dropped."""
+    from lit_instruct.data.records import to_record
+
+    raw = {
+        "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "add"},
+            {"role": "user", "content": "3+3?"},
+            {"role": "assistant", "content": "6", "thinking": "add again"},
+        ]
+    }
+    tok = family_tokenizer(tokenizer, "qwen3")
+    counts: Counter[str] = Counter()
+    samples = build_samples(
+        [to_record(raw, "r:1")], ChatRenderer(tok, 512, QWEN3_REASONING), counts, Rejects()
+    )
+    assert counts["split_per_turn"] == 1
+    first, second = samples
+    check_sample(
+        tok,
+        first,
+        [
+            ("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n", False),
+            ("<think>\nadd\n</think>\n\n4<|im_end|>", True),
+            ("\n", False),
+        ],
+    )
+    check_sample(
+        tok,
+        second,
+        [
+            (
+                "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+                "<|im_start|>user\n3+3?<|im_end|>\n<|im_start|>assistant\n",
+                False,
+            ),
+            ("<think>\nadd again\n</think>\n\n6<|im_end|>", True),
+            ("\n", False),
+        ],
+    )
