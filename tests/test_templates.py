@@ -325,7 +325,8 @@ def test_special_tokens_inside_content_are_refused(tokenizer) -> None:
 
 QWEN25_TOOLS = (  # Qwen2.5's tool format: tools in the system turn, calls in <tool_call>, results as user
     "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
-    "{{ '\\n\\n' }}{% endif %}# Tools\n\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>"
+    "{{ '\\n\\n' }}{% endif %}# Tools\n\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}"
+    "{% endfor %}{{ '\\n' }}</tools>"
     "<|im_end|>\n{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}"
     "<|im_end|>{{ '\\n' }}{% endif %}"
     "{% for m in messages %}"
@@ -399,7 +400,8 @@ def test_tool_calls_are_trained_tool_results_are_not(tokenizer) -> None:
                 False,
             ),
             (
-                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                "<|im_end|>",
                 True,
             ),
             (

@@ -12,12 +12,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Subset
 
 from lit_instruct.data.collate import PackCollator, PadCollator
-from lit_instruct.data.prepare import DataSettings, PreparedData, prepare
+from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
 from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn
 from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
+from lit_instruct.data.stream import Position, SampleStream, StreamCollator
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 
 
@@ -77,6 +78,11 @@ class InstructDataModule(L.LightningDataModule):
         cache_dir: default ``$LIT_INSTRUCT_CACHE/data`` (``~/.cache/lit-instruct/data``).
         mixture_replacement: draw weighted sources' samples with replacement (default: whole
             passes in a fresh order, see :class:`InstructSampler`).
+        streaming: read, shuffle (in a buffer) and render the training sources while training
+            (:mod:`lit_instruct.data.stream`): nothing is prepared or cached, ranks read disjoint
+            records, resume is exact; needs ``trainer.max_steps``. Validation comes from
+            ``val_files`` (prepared as usual) or is off.
+        shuffle_buffer: records in the streaming shuffle buffer (1: reading order).
         multi_turn: ``auto`` (one sample per conversation where the chat template is prefix-stable,
             else one per assistant turn, counted ``split_per_turn``), ``joint`` (one per conversation;
             a template that rewrites earlier turns is an error) or ``per_turn`` (one per assistant
@@ -111,6 +117,8 @@ class InstructDataModule(L.LightningDataModule):
         cache: bool = True,
         cache_dir: str | None = None,
         mixture_replacement: bool = False,
+        streaming: bool = False,
+        shuffle_buffer: int = 10_000,
     ) -> None:
         super().__init__()
         self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in sources or []]
@@ -151,6 +159,10 @@ class InstructDataModule(L.LightningDataModule):
         self.cache = cache
         self.cache_dir = cache_dir
         self.mixture_replacement = mixture_replacement
+        self.streaming = streaming
+        self.shuffle_buffer = shuffle_buffer
+        self.stream: SampleStream | None = None
+        self._stream_position: Position | None = None
         self.tokenizer: Any = None
         self.prepared: PreparedData | None = None
         self.sampler: InstructSampler | None = None
@@ -184,9 +196,10 @@ class InstructDataModule(L.LightningDataModule):
         return Path(self.cache_dir) if self.cache_dir else cache_dir() / "data"
 
     def prepare_samples(self) -> PreparedData:
-        """Read, split and tokenize the sources (or memory-map them from the cache)."""
+        """Read, split and tokenize the sources (or memory-map them from the cache); when streaming,
+        only the validation sources."""
         return prepare(
-            self.sources,
+            [] if self.streaming else self.sources,
             self.val_sources,
             self.load_tokenizer(),
             self.settings,
@@ -234,7 +247,9 @@ class InstructDataModule(L.LightningDataModule):
             rank_zero_info(
                 f"lit-instruct data: {len(prepared.rejects)} bad records skipped, listed in {rejects}"
             )
-        if not len(prepared.train):
+        if self.streaming:
+            rank_zero_info("lit-instruct data [train]: streamed (read and rendered while training)")
+        elif not len(prepared.train):
             raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
 
     def model_vocab_size(self) -> int | None:
@@ -264,6 +279,48 @@ class InstructDataModule(L.LightningDataModule):
         return PadCollator(pad_id, self.pad_to_multiple_of, source)
 
     def train_dataloader(self) -> DataLoader:
+        if self.streaming:
+            return self._stream_loader()
+        return self._sampled_loader()
+
+    def _stream_loader(self) -> DataLoader:
+        trainer = self.trainer
+        if trainer is not None and trainer.max_steps < 0:
+            raise ValueError("data.streaming: the stream has no end; set trainer.max_steps")
+        tokenizer, settings = self.load_tokenizer(), self.settings
+        self.stream = SampleStream(
+            self.sources,
+            TemplateRenderers(tokenizer, settings).settings(self.sources, self.model_vocab_size()),
+            rank=trainer.global_rank if trainer else 0,
+            world_size=trainer.world_size if trainer else 1,
+            seed=self.seed,
+            shuffle_buffer=self.shuffle_buffer,
+            resume=self._stream_position,
+        )
+        return DataLoader(
+            self.stream, batch_size=self.batch_size, collate_fn=StreamCollator(self._collator())
+        )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Note the stream position of the batch about to be trained on (batches fetched ahead are
+        not trained on yet)."""
+        if isinstance(batch, dict) and "stream_position" in batch:
+            self._stream_position = batch.pop("stream_position")
+        return batch
+
+    def teardown(self, stage: str) -> None:
+        """Report what the stream read and skipped, and write its rejected records."""
+        stream = self.stream
+        if stream is None or not stream.counts:
+            return
+        rank_zero_info(
+            "lit-instruct data [train, streamed]: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(stream.counts.items()))
+        )
+        if stream.rejects.rows and (self.trainer is None or self.trainer.is_global_zero):
+            stream.rejects.write(self.rejects_path())
+
+    def _sampled_loader(self) -> DataLoader:
         """Batches of :class:`InstructSampler`'s order, built in the main process.
 
         The samples are tokenized already, so worker processes would only add overhead; and the
@@ -301,12 +358,17 @@ class InstructDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return {}
+        if self.streaming:
+            return {"stream_position": list(self._stream_position)} if self._stream_position else {}
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return {"epoch": trainer.current_epoch, "batches_done": done}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training order where the checkpoint left it."""
-        if state_dict:
+        if "stream_position" in state_dict:
+            epoch, record, sample = state_dict["stream_position"]
+            self._stream_position = (epoch, record, sample)
+        elif state_dict:
             self._resume = (state_dict["epoch"], state_dict["batches_done"])
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:

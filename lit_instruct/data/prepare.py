@@ -61,6 +61,28 @@ class PreparedData:
         return sum(self.counts[split].values(), Counter())
 
 
+class TemplateRenderers:
+    """One :class:`ChatRenderer` per distinct chat template (a source's own, else the settings')."""
+
+    def __init__(self, tokenizer: Any, settings: DataSettings) -> None:
+        self.tokenizer = tokenizer
+        self.data = settings
+        self.renderers: dict[str | None, ChatRenderer] = {}
+
+    def __call__(self, source: DataSource) -> ChatRenderer:
+        template = source.chat_template or self.data.chat_template
+        if template not in self.renderers:
+            self.renderers[template] = ChatRenderer(
+                self.tokenizer, self.data.max_seq_len, template, self.data.multi_turn
+            )
+        return self.renderers[template]
+
+    def settings(self, sources: Sequence[DataSource], vocab_size: int | None) -> TokenizeSettings:
+        """What :func:`tokenize` (or a stream) needs to render ``sources``."""
+        renderers = [self(source) for source in sources]
+        return TokenizeSettings(renderers, self.data.on_bad_record, self.data.on_long_sample, vocab_size)
+
+
 def drop_duplicates(records: list[Record], seen: set[Any], counts: Counter[str]) -> list[Record]:
     """Keep the first of identical conversations (``seen`` spans all sources)."""
     unique = []
@@ -165,19 +187,12 @@ def prepare(
     else:
         val_records += [r for r in held_out if r]
         val_names += [n for n, r in zip(names, held_out, strict=True) if r]
-    renderers = {s.chat_template or settings.chat_template: None for s in [*train_sources, *val_sources]}
-    for template in renderers:
-        renderers[template] = ChatRenderer(tokenizer, settings.max_seq_len, template, settings.multi_turn)
-
-    def settings_for(sources: Sequence[DataSource]) -> TokenizeSettings:
-        chosen = [renderers[s.chat_template or settings.chat_template] for s in sources]
-        return TokenizeSettings(chosen, settings.on_bad_record, settings.on_long_sample, vocab_size)  # type: ignore[arg-type]
-
-    train, train_counts, train_rejects = tokenize(train_records, settings_for(train_sources), names, num_proc)
+    templates = TemplateRenderers(tokenizer, settings)
+    train_settings = templates.settings(train_sources, vocab_size)
+    train, train_counts, train_rejects = tokenize(train_records, train_settings, names, num_proc)
     val_of = {s.name: s for s in [*val_sources, *train_sources]}
-    val, val_counts, val_rejects = tokenize(
-        val_records, settings_for([val_of[n] for n in val_names]), val_names, num_proc
-    )
+    val_settings = templates.settings([val_of[n] for n in val_names], vocab_size)
+    val, val_counts, val_rejects = tokenize(val_records, val_settings, val_names, num_proc)
     for split, names_, split_counts in (("train", names, train_counts), ("val", val_names, val_counts)):
         for name, source_counts in zip(names_, split_counts, strict=True):
             counts[split].setdefault(name, Counter()).update(source_counts)

@@ -89,35 +89,40 @@ class RawRecord:
 
 
 def iter_json(path: Path) -> Iterator[RawRecord]:
-    """Each record of a JSON array file or of a JSON Lines file (blank lines in between are errors,
-    a truncated line is named as such)."""
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+    """Each record of a JSON array file, or of a JSON Lines file read line by line (blank lines in
+    between are errors, trailing ones end the file; a truncated line is named as such)."""
+    if path.suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("["):
         try:
-            values = json.loads(text)
+            values = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:  # the whole file is unusable: always an error
             raise DataError(f"{path}:{err.lineno}", f"invalid JSON: {err.msg}", "invalid_json") from err
         for index, value in enumerate(values, start=1):
             yield RawRecord(json.dumps(value), f"{path}[record {index}]", value)
         return
-    lines = text.splitlines()
-    while lines and not lines[-1].strip():  # trailing empty lines end the file
-        lines.pop()
-    for lineno, line in enumerate(lines, start=1):
-        source = f"{path}:{lineno}"
-        if not line.strip():
-            yield RawRecord(line, source, error=DataError(source, "blank line", "blank_line"))
-            continue
-        try:
-            yield RawRecord(line, source, json.loads(line))
-        except json.JSONDecodeError as err:
-            if err.pos >= len(line.rstrip()) or err.msg.startswith("Unterminated string"):
-                error = DataError(
-                    source, f"line is truncated: the JSON ends early ({err.msg})", "truncated_line"
-                )
-            else:
-                error = DataError(source, f"invalid JSON at column {err.colno}: {err.msg}", "invalid_json")
-            yield RawRecord(line, source, error=error)
+    blank: list[int] = []  # blank lines seen since the last record: errors only if one follows
+    with path.open(encoding="utf-8") as lines:
+        for lineno, line in enumerate(lines, start=1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                blank.append(lineno)
+                continue
+            for number in blank:
+                source = f"{path}:{number}"
+                yield RawRecord("", source, error=DataError(source, "blank line", "blank_line"))
+            blank = []
+            yield parse_line(line, f"{path}:{lineno}")
+
+
+def parse_line(line: str, source: str) -> RawRecord:
+    """One JSON Lines record, or the reason it is not one."""
+    try:
+        return RawRecord(line, source, json.loads(line))
+    except json.JSONDecodeError as err:
+        if err.pos >= len(line.rstrip()) or err.msg.startswith("Unterminated string"):
+            error = DataError(source, f"line is truncated: the JSON ends early ({err.msg})", "truncated_line")
+        else:
+            error = DataError(source, f"invalid JSON at column {err.colno}: {err.msg}", "invalid_json")
+        return RawRecord(line, source, error=error)
 
 
 def is_saved_dataset(folder: Path) -> bool:
@@ -162,7 +167,7 @@ def hub_reachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-def load_hub_dataset(repo_id: str, split: str) -> Any:
+def load_hub_dataset(repo_id: str, split: str, streaming: bool = False) -> Any:
     """A hub dataset's split, from the network or the local ``datasets`` cache.
 
     With ``HF_HUB_OFFLINE=1``, or when the hub's endpoint does not answer within a few seconds, the
@@ -177,7 +182,7 @@ def load_hub_dataset(repo_id: str, split: str) -> Any:
     saved = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
     hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = offline or saved[0]
     try:
-        return datasets.load_dataset(repo_id, split=split)
+        return datasets.load_dataset(repo_id, split=split, streaming=streaming)
     except (ConnectionError, FileNotFoundError, OSError) as error:
         if not offline:
             raise DataError(repo_id, f"could not load the hub dataset: {error}", "missing_source") from error
@@ -203,16 +208,28 @@ def data_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_source(source: DataSource) -> Iterator[RawRecord]:
-    """Every raw record of ``source``, in order."""
+def iter_source(source: DataSource, streaming: bool = False) -> Iterator[RawRecord]:
+    """Every raw record of ``source``, in order.
+
+    With ``streaming``, parquet and csv files and hub datasets are iterated without being converted
+    to an Arrow copy first (``datasets``' streaming mode); JSON Lines files are always read line by
+    line and arrow files and saved folders are memory-mapped.
+    """
     path = Path(source.path)
     if not source.is_local:
         if path.suffix in DATA_SUFFIXES or source.path.startswith((".", "/", "~")):
             raise FileNotFoundError(f"data file {path} does not exist")
-        yield from iter_rows(load_hub_dataset(source.path, source.split), f"{source.path}[{source.split}]")
+        dataset = load_hub_dataset(source.path, source.split, streaming)
+        yield from iter_rows(dataset, f"{source.path}[{source.split}]")
         return
     for file in data_files(path):
-        if file.is_dir() or file.suffix in TABLE_SUFFIXES:
+        if streaming and file.suffix in (".parquet", ".csv"):
+            import datasets
+
+            builder = file.suffix[1:]
+            dataset = datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True)
+            yield from iter_rows(dataset, str(file))
+        elif file.is_dir() or file.suffix in TABLE_SUFFIXES:
             yield from iter_rows(load_table(file, source.split), str(file))
         else:
             yield from iter_json(file)

@@ -1,0 +1,113 @@
+"""How long data setup takes, and how much memory, for a large generated corpus.
+
+Generates N multi-turn chat conversations (seeded; written under ``--dir``, kept out of the
+repository), then measures ``InstructDataModule.setup`` with SmolLM2's tokenizer and chat template,
+each in a fresh process: the first setup with 1 and with 2 processes (``num_proc``; each into an
+empty cache), and the second setup (a cache hit, memory-mapped), for N and for N/10 conversations
+(the peak RSS of a cached setup should not grow with N).
+
+    python benchmarks/data_setup.py [--conversations 100000] [--dir /tmp/lit-instruct-data-setup]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from workers import run_worker
+
+VOCABULARY = (
+    "the model data train answer question token loss batch layer weight value range small large fast slow "
+    "river mountain city music colour number letter story reason simple exact"
+)
+WORDS = VOCABULARY.split()
+
+
+def sentence(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high))).capitalize() + "."
+
+
+def generate(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` chat records of 1-3 exchanges, a system prompt in a third of them."""
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for i in range(n):
+            messages = [{"role": "system", "content": sentence(rng, 4, 10)}] if i % 3 == 0 else []
+            for turn in range(rng.randint(1, 3)):
+                messages.append({"role": "user", "content": f"#{i}.{turn} " + sentence(rng, 5, 30)})
+                messages.append({"role": "assistant", "content": sentence(rng, 10, 80)})
+            out.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def worker(path: str, cache_dir: str, num_proc: int) -> None:
+    from lit_instruct.data.datamodule import InstructDataModule
+
+    start = time.perf_counter()
+    data = InstructDataModule(
+        train_files=[path], cache_dir=cache_dir, num_proc=num_proc, max_seq_len=1024, val_fraction=0.01
+    )
+    data.setup("fit")
+    seconds = time.perf_counter() - start
+    store = data.train_samples
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "samples": len(store) + len(data.val_samples),
+                "store_mib": (store.nbytes + data.val_samples.nbytes) / 2**20,
+                "cached": data.prepared.cached if data.prepared else False,
+            }
+        )
+    )
+
+
+def measure(path: Path, cache: Path, num_proc: int, fresh: bool) -> dict:
+    if fresh:
+        shutil.rmtree(cache, ignore_errors=True)
+    return run_worker(__file__, str(path), str(cache), str(num_proc))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--conversations", type=int, default=100_000)
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/lit-instruct-data-setup"))
+    args = parser.parse_args()
+    rows = []
+    for n in (args.conversations // 10, args.conversations):
+        path = args.dir / f"chats-{n}.jsonl"
+        if not path.exists():
+            generate(path, n)
+        mib = path.stat().st_size / 2**20
+        cache = args.dir / f"cache-{n}"
+        runs = [("first, num_proc=2", measure(path, cache, 2, fresh=True))]
+        if n == args.conversations:
+            runs.insert(0, ("first, num_proc=1", measure(path, args.dir / "cache-1proc", 1, fresh=True)))
+        runs.append(("second (cached)", measure(path, cache, 2, fresh=False)))
+        for label, result in runs:
+            rows.append((n, mib, label, result))
+    print("| conversations | JSONL MiB | setup | seconds | peak RSS MiB | samples | store MiB |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    for n, mib, label, r in rows:
+        print(
+            f"| {n:,} | {mib:.0f} | {label} | {r['seconds']:.1f} | {r['peak_rss_mib']:.0f} | "
+            f"{r['samples']:,} | {r['store_mib']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main()
