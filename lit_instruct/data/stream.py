@@ -67,8 +67,9 @@ class SampleStream(IterableDataset):
         self.counts: Counter[str] = Counter()
         self.rejects = Rejects(settings.on_bad_record)
 
-    def records(self) -> Iterator[tuple[int, Record]]:
-        """This rank's share of every source's records, with the index of their source."""
+    def records(self, epoch: int) -> Iterator[tuple[int, Record]]:
+        """This rank's share of every source's records, with the index of their source; bad ones
+        are raised or counted and kept (in the first data epoch only: later ones read them again)."""
         index = 0
         for number, source in enumerate(self.sources):
             for raw in iter_source(source, streaming=True):
@@ -80,13 +81,14 @@ class SampleStream(IterableDataset):
                         raise raw.error
                     yield number, to_record(raw.value, raw.source, source.format, source.columns)
                 except DataError as error:
-                    self.rejects.handle(error, raw.text, self.counts)
+                    if epoch == 0:
+                        self.rejects.handle(error, raw.text, self.counts)
 
     def shuffled(self, epoch: int) -> Iterator[tuple[int, Record]]:
         """The records through a seeded buffer: each leaving one is drawn from the buffer at random."""
         rng = random.Random(f"{self.seed}/{epoch}/{self.rank}")  # str seeds: the same in every process
         buffer: list[tuple[int, Record]] = []
-        for item in self.records():
+        for item in self.records(epoch):
             if len(buffer) < self.shuffle_buffer:
                 buffer.append(item)
                 continue
@@ -106,8 +108,9 @@ class SampleStream(IterableDataset):
                 counts: Counter[str] = Counter()
                 renderer = self.settings.renderers[source]
                 settings = self.settings
+                rejects = self.rejects if epoch == 0 else Rejects("skip")  # kept once, not per epoch
                 samples = build_samples(
-                    [record], renderer, counts, self.rejects, settings.on_long_sample, settings.vocab_size
+                    [record], renderer, counts, rejects, settings.on_long_sample, settings.vocab_size
                 )
                 self.counts.update(counts)
                 for j, sample in enumerate(samples):
