@@ -378,7 +378,8 @@ class InstructDataModule(L.LightningDataModule):
         names = [n for n, count in store.counts_by_source().items() if count]
         if len(names) <= 1:
             return self._val_loader(store, None)
-        return [self._val_loader(Subset(store, store.indices_of(store.names.index(n))), n) for n in names]
+        dataset: Any = store  # a sequence is a map-style dataset
+        return [self._val_loader(Subset(dataset, store.indices_of(store.names.index(n))), n) for n in names]
 
     def _val_loader(self, samples: Any, name: str | None) -> DataLoader:
         return DataLoader(

@@ -40,7 +40,7 @@ class SampleStore(Sequence[Sample]):
         samples = [(index, s) for index, part in parts for s in part]
         lengths = np.array([len(s.input_ids) for _, s in samples], dtype=np.int64)
         origins = [s.source.encode() for _, s in samples]
-        arrays = {
+        arrays: dict[str, np.ndarray] = {
             "input_ids": np.fromiter(
                 (t for _, s in samples for t in s.input_ids), np.int32, int(lengths.sum())
             ),
