@@ -116,6 +116,8 @@ class InstructCLI(LightningCLI):
                 f"over {int(after['val/tokens'])} held-out response tokens, "
                 f"after {self.trainer.global_step} steps"
             )
+        for name in sorted(k for k in after if k.startswith("val/loss/") and k in self.before):
+            rank_zero_info(f"  {name} {self.before[name]:.4f} -> {after[name]:.4f}")
 
 
 def prepare_main(argv: list[str]) -> None:

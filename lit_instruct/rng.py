@@ -36,15 +36,20 @@ def restore_rng_states(states: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy(), pos, has_gauss, cached))
 
 
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable, no tensors), indexed by rank: a collective call under
+    torch.distributed, ``[value]`` without it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def gather_rng_states() -> list[dict[str, Any]]:
     """Every rank's states, indexed by rank (a collective call under torch.distributed)."""
-    states = capture_rng_states()
-    if not (dist.is_available() and dist.is_initialized()):
-        return [states]
     # Tensors travel as lists: all_gather_object cannot unpickle tensors in some torch versions.
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, _encode(states))
-    return [_decode(g) for g in gathered]
+    return [_decode(g) for g in gather_objects(_encode(capture_rng_states()))]
 
 
 def _encode(value: Any) -> Any:

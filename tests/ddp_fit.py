@@ -2,6 +2,9 @@
 
     python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
 
+Optional: ``streaming``, ``ckpt_every`` (a ModelCheckpoint every N steps into ``out``), ``stop_after``
+(end the fit after N steps, as if killed: the schedule still spans ``max_steps``), ``ckpt_path``.
+
 Lightning's ``ddp`` launcher starts rank 1 by running this script again. Rank 0 writes
 ``<out>/last.ckpt``; each rank writes ``<out>/rank<r>.pt``: its LoRA weights and logged
 ``train/loss`` after every step, and the SkipNonFiniteSteps counters.
@@ -18,11 +21,12 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_instruct.callbacks import GenerationPreview, SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.model import LoRAConfig
-from tests.helpers import FaultyModule, Recorder
+from tests.helpers import FaultyModule, Recorder, StopAfter
 
 
 def main(args: dict) -> None:
@@ -37,7 +41,19 @@ def main(args: dict) -> None:
         fault_rank=args.get("fault_rank"),
     )
     batch_size = args.get("batch_size", 1)
-    data = InstructDataModule(tokenizer=args["model"], train_files=[args["data"]], batch_size=batch_size)
+    data = InstructDataModule(
+        tokenizer=args["model"],
+        train_files=[args["data"]],
+        batch_size=batch_size,
+        streaming=args.get("streaming", False),
+        shuffle_buffer=3,
+    )
+    checkpoints = (
+        [ModelCheckpoint(dirpath=args["out"], every_n_train_steps=args["ckpt_every"])]
+        if "ckpt_every" in args
+        else []
+    )
+    stop = [StopAfter(args["stop_after"])] if "stop_after" in args else []
     skip, recorder = SkipNonFiniteSteps(max_consecutive=3), Recorder()
     preview = [GenerationPreview(args["preview"], max_new_tokens=3)] if "preview" in args else []
     trainer = L.Trainer(
@@ -49,13 +65,13 @@ def main(args: dict) -> None:
         limit_val_batches=1 if preview else 0,
         val_check_interval=2 if preview else None,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(checkpoints),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=args["out"],
-        callbacks=[skip, recorder, *preview],
+        callbacks=[skip, recorder, *preview, *checkpoints, *stop],
     )
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=args.get("ckpt_path"))
     out = Path(args["out"])
     trainer.save_checkpoint(out / "last.ckpt")  # collective: every rank's RNG states go in
     result = {

@@ -109,6 +109,17 @@ class Recorder(L.Callback):
         self.losses.append(float(trainer.callback_metrics.get("train/loss", float("nan"))))
 
 
+class StopAfter(L.Callback):
+    """Ends the fit after ``steps`` optimizer steps, as if the job had been killed there."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
 GOOD = '{"prompt": "ok", "completion": "ok"}'
 BAD_LINES = {  # reason: (line 2 of a file between two good lines, the expected message after "file:2: ")
     "bad_type": ('{"prompt": "x", "completion": 3}', r"field 'completion' must be a string, got int"),

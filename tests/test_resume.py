@@ -8,20 +8,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_instruct.callbacks import SkipNonFiniteSteps
 from lit_instruct.model import LoRAConfig
-from tests.helpers import Recorder, make, trainer
+from tests.helpers import Recorder, StopAfter, make, trainer
 
 LORA = LoRAConfig(r=64, alpha=16, dropout=0.2, target_modules="all-linear")  # dropout: RNG matters
-
-
-class StopAfter(L.Callback):
-    """Ends the fit after ``steps`` optimizer steps, as if the job had been killed there."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step >= self.steps:
-            trainer.should_stop = True
 
 
 def fit(tiny_model_dir, chat_file, root, *callbacks, ckpt_path=None) -> tuple[Recorder, L.Trainer]:

@@ -18,7 +18,7 @@ from lit_instruct.data.sources import DataSource
 from lit_instruct.data.stream import SampleStream
 from lit_instruct.model import LoRAConfig
 from lit_instruct.module import InstructLoRAModule
-from tests.helpers import Recorder, trainer
+from tests.helpers import Recorder, StopAfter, trainer
 
 
 @pytest.fixture
@@ -123,8 +123,6 @@ def streamed_fit(tiny_model_dir, corpus, root, *callbacks, ckpt_path=None) -> Re
 
 def test_training_resumed_mid_stream_equals_the_uninterrupted_run(tiny_model_dir, corpus, tmp_path) -> None:
     """8 steps of 4 samples cross the 23-sample data epoch; stopped after 3 and resumed."""
-    from tests.test_resume import StopAfter
-
     uninterrupted = streamed_fit(tiny_model_dir, corpus, tmp_path / "a")
     (reject,) = [json.loads(line) for line in (tmp_path / "a" / "rejects.jsonl").read_text().splitlines()]
     assert reject["source"] == f"{corpus / 'a.jsonl'}:6" and reject["reason"] == "empty_content"
@@ -132,7 +130,7 @@ def test_training_resumed_mid_stream_equals_the_uninterrupted_run(tiny_model_dir
     streamed_fit(tiny_model_dir, corpus, tmp_path / "b", every_3, StopAfter(3))
     path = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
     state = torch.load(path, weights_only=True)["InstructDataModule"]
-    assert state == {"stream_position": [0, 11, 0]}  # 12 samples trained: the 12th record's only one
+    assert state == {"stream_positions": [[0, 11, 0]]}  # 12 samples trained: the 12th record's only one
     resumed = streamed_fit(tiny_model_dir, corpus, tmp_path / "c", ckpt_path=path)
     assert len(resumed.losses) == 5
     torch.testing.assert_close(
@@ -150,3 +148,29 @@ def test_streaming_needs_max_steps_and_refuses_weights(tiny_model_dir, corpus, t
     )
     with pytest.raises(ValueError, match="streaming reads its sources in order"):
         weighted.train_dataloader()
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_their_own_stream_positions_exactly(tiny_model_dir, corpus, tmp_path) -> None:
+    """2-process DDP (gloo): the checkpoint holds both ranks' positions, and the resumed run's losses
+    (all-reduced over ranks) equal the uninterrupted run's."""
+    from tests.ddp_fit import run_ddp_fit
+
+    common = {
+        "model": str(tiny_model_dir),
+        "data": str(corpus / "b.jsonl"),
+        "streaming": True,
+        "batch_size": 2,
+    }
+    full = run_ddp_fit({**common, "out": str(tmp_path / "full"), "max_steps": 6})
+    run_ddp_fit({**common, "out": str(tmp_path / "first"), "max_steps": 6, "stop_after": 3, "ckpt_every": 3})
+    path = tmp_path / "first" / "epoch=0-step=3.ckpt"
+    positions = torch.load(path, weights_only=True)["InstructDataModule"]["stream_positions"]
+    assert positions == [[0, 5, 0], [0, 5, 0]]  # each rank: its 6 records of 12, one sample each
+    resumed = run_ddp_fit(
+        {**common, "out": str(tmp_path / "resumed"), "max_steps": 6, "ckpt_path": str(path)}
+    )
+    for rank in (0, 1):
+        torch.testing.assert_close(
+            torch.tensor(resumed[rank]["losses"]), torch.tensor(full[rank]["losses"][3:]), atol=1e-6, rtol=0
+        )

@@ -18,8 +18,9 @@ from lit_instruct.data.render import MultiTurn
 from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
-from lit_instruct.data.stream import Position, SampleStream, StreamCollator
+from lit_instruct.data.stream import START, Position, SampleStream, StreamCollator
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
+from lit_instruct.rng import gather_objects
 
 
 def unique_names(sources: list[DataSource], taken: list[DataSource]) -> list[DataSource]:
@@ -162,7 +163,8 @@ class InstructDataModule(L.LightningDataModule):
         self.streaming = streaming
         self.shuffle_buffer = shuffle_buffer
         self.stream: SampleStream | None = None
-        self._stream_position: Position | None = None
+        self._stream_position: Position = START
+        self._stream_resume: list[Position] | None = None  # every rank's, from a checkpoint
         self.tokenizer: Any = None
         self.prepared: PreparedData | None = None
         self.sampler: InstructSampler | None = None
@@ -295,11 +297,23 @@ class InstructDataModule(L.LightningDataModule):
             world_size=trainer.world_size if trainer else 1,
             seed=self.seed,
             shuffle_buffer=self.shuffle_buffer,
-            resume=self._stream_position,
+            resume=self._resume_position(trainer),
         )
         return DataLoader(
             self.stream, batch_size=self.batch_size, collate_fn=StreamCollator(self._collator())
         )
+
+    def _resume_position(self, trainer: L.Trainer | None) -> Position:
+        """This rank's position in the checkpoint's stream (the start without one)."""
+        if self._stream_resume is None:
+            return START
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        if len(self._stream_resume) != world:
+            raise ValueError(
+                f"the checkpoint's stream was sharded over {len(self._stream_resume)} ranks, this run has "
+                f"{world}: a stream resumes exactly only on as many ranks (or restart it without ckpt_path)"
+            )
+        return self._stream_resume[rank]
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Note the stream position of the batch about to be trained on (batches fetched ahead are
@@ -359,15 +373,14 @@ class InstructDataModule(L.LightningDataModule):
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return {}
         if self.streaming:
-            return {"stream_position": list(self._stream_position)} if self._stream_position else {}
+            return {"stream_positions": gather_objects(list(self._stream_position))}  # collective
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return {"epoch": trainer.current_epoch, "batches_done": done}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training order where the checkpoint left it."""
-        if "stream_position" in state_dict:
-            epoch, record, sample = state_dict["stream_position"]
-            self._stream_position = (epoch, record, sample)
+        if "stream_positions" in state_dict:
+            self._stream_resume = [(e, r, s) for e, r, s in state_dict["stream_positions"]]
         elif state_dict:
             self._resume = (state_dict["epoch"], state_dict["batches_done"])
 

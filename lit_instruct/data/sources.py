@@ -91,7 +91,7 @@ class RawRecord:
 def iter_json(path: Path) -> Iterator[RawRecord]:
     """Each record of a JSON array file, or of a JSON Lines file read line by line (blank lines in
     between are errors, trailing ones end the file; a truncated line is named as such)."""
-    if path.suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("["):
+    if path.suffix == ".json" and _starts_with_bracket(path):
         try:
             values = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:  # the whole file is unusable: always an error
@@ -111,6 +111,15 @@ def iter_json(path: Path) -> Iterator[RawRecord]:
                 yield RawRecord("", source, error=DataError(source, "blank line", "blank_line"))
             blank = []
             yield parse_line(line, f"{path}:{lineno}")
+
+
+def _starts_with_bracket(path: Path) -> bool:
+    """Whether the file's first non-blank character is ``[`` (a JSON array, not JSON Lines)."""
+    with path.open(encoding="utf-8") as handle:
+        while chunk := handle.read(1 << 16):
+            if chunk.strip():
+                return chunk.lstrip().startswith("[")
+    return False
 
 
 def parse_line(line: str, source: str) -> RawRecord:

@@ -28,6 +28,7 @@ from lit_instruct.data.tokenize import TokenizeSettings
 from lit_instruct.data.validation import Rejects, build_samples
 
 Position = tuple[int, int, int]  # (data epoch, records before this one, sample within the record)
+START: Position = (0, 0, -1)  # before the first sample
 
 
 class SampleStream(IterableDataset):
@@ -99,7 +100,7 @@ class SampleStream(IterableDataset):
         yield from buffer
 
     def __iter__(self) -> Iterator[tuple[Sample, Position]]:
-        epoch, skip_records, skip_samples = self.resume or (0, 0, -1)
+        epoch, skip_records, skip_samples = self.resume or START
         while True:
             produced = False
             for k, (source, record) in enumerate(self.shuffled(epoch)):
