@@ -138,16 +138,15 @@ class InstructDataModule(L.LightningDataModule):
         self.tokenizer_name = tokenizer
         self.val_sources = unique_names([DataSource(path, format=format) for path in val_files or []], [])
         self.settings = DataSettings(
-            max_seq_len,
-            multi_turn,
-            chat_template,
-            val_fraction,
-            split_seed,
-            deduplicate,
-            on_bad_record,
-            on_long_sample,
+            max_seq_len=max_seq_len,
+            multi_turn=multi_turn,
+            chat_template=chat_template,
+            val_fraction=val_fraction,
+            split_seed=split_seed,
+            deduplicate=deduplicate,
+            on_bad_record=on_bad_record,
+            on_long_sample=on_long_sample,
         )
-        self.max_seq_len = max_seq_len
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -167,6 +166,7 @@ class InstructDataModule(L.LightningDataModule):
         self._stream_resume: list[Position] | None = None  # every rank's, from a checkpoint
         self.tokenizer: Any = None
         self.prepared: PreparedData | None = None
+        self._set_up = False
         self.sampler: InstructSampler | None = None
         self._resume: tuple[int, int] | None = None
 
@@ -177,7 +177,7 @@ class InstructDataModule(L.LightningDataModule):
 
         resolve_model_path(self.tokenizer_name)
         if self.cache:
-            self.prepare_samples()
+            self.prepared = self.prepare_samples()  # this rank's setup reports what it did
 
     def load_tokenizer(self) -> Any:
         """Load (once) the tokenizer named by ``tokenizer``."""
@@ -228,9 +228,12 @@ class InstructDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Read, split and tokenize the data once (a cache hit memory-maps it), report the counts."""
-        if self.prepared is not None:
+        if self._set_up:
             return
-        self.prepared = prepared = self.prepare_samples()
+        self._set_up = True
+        if self.prepared is None:  # not prepared by this process's prepare_data
+            self.prepared = self.prepare_samples()
+        prepared = self.prepared
         for split, store in (("train", prepared.train), ("val", prepared.val)):
             counts = prepared.totals(split)
             rank_zero_info(
@@ -241,8 +244,9 @@ class InstructDataModule(L.LightningDataModule):
                     f"lit-instruct data [{split}] "
                     + ", ".join(f"{n}={c}" for n, c in store.counts_by_source().items())
                 )
-        if prepared.cached:
-            rank_zero_info("lit-instruct data: tokenized samples memory-mapped from the cache")
+        if prepared.folder is not None:
+            how = "memory-mapped from" if prepared.cached else "tokenized into"
+            rank_zero_info(f"lit-instruct data: samples {how} the cache {prepared.folder}")
         rejects = self.rejects_path()  # on every rank: the log directory is a collective
         if prepared.rejects and (self.trainer is None or self.trainer.is_global_zero):
             Rejects(rows=prepared.rejects).write(rejects)

@@ -55,6 +55,7 @@ class PreparedData:
     counts: dict[str, dict[str, Counter[str]]]
     rejects: list[dict[str, Any]] = field(default_factory=list)
     cached: bool = False
+    folder: Path | None = None  # where they are cached
 
     def totals(self, split: str) -> Counter[str]:
         """The counts of ``split`` summed over sources."""
@@ -196,7 +197,7 @@ def prepare(
     for split, names_, split_counts in (("train", names, train_counts), ("val", val_names, val_counts)):
         for name, source_counts in zip(names_, split_counts, strict=True):
             counts[split].setdefault(name, Counter()).update(source_counts)
-    prepared = PreparedData(train, val, counts, rejects.rows + train_rejects + val_rejects)
+    prepared = PreparedData(train, val, counts, rejects.rows + train_rejects + val_rejects, folder=folder)
     if folder is not None:
         _save(prepared, folder)
     return prepared
@@ -224,4 +225,5 @@ def _load(folder: Path) -> PreparedData:
         counts,
         meta["rejects"],
         cached=True,
+        folder=folder,
     )
