@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_instruct.callbacks.shared import checkpoint_dir
+from lit_instruct.fsdp import local_tensor
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -70,7 +71,8 @@ class SkipNonFiniteSteps(L.Callback):
         if self._window_loss_finite is not None:
             bad += (~self._window_loss_finite).float().to(bad.device)
         if self.check_grads and params:
-            max_abs = torch.stack(torch._foreach_norm([p.grad for p in params], float("inf")))
+            grads = [local_tensor(p.grad) for p in params]  # this rank's shards: the verdict is summed
+            max_abs = torch.stack(torch._foreach_norm(grads, float("inf")))
             bad += (~torch.isfinite(max_abs).all()).float().to(bad.device)
         self._window_loss_finite = None
         bad = trainer.strategy.reduce(bad, reduce_op="sum")  # every rank reaches the same verdict

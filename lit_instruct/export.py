@@ -50,13 +50,14 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
             raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf; refusing to write it")
 
 
-def save_adapter(peft_model: Any, target: str | Path) -> Path:
-    """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``)."""
+def save_adapter(peft_model: Any, target: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
+    """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
+    ``state_dict`` when given (whole tensors gathered from a sharded model)."""
     from peft import get_peft_model_state_dict
 
-    check_finite(get_peft_model_state_dict(peft_model), f"adapter for {target}")
+    check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
     with atomic_directory(target) as staging:
-        peft_model.save_pretrained(staging, safe_serialization=True)
+        peft_model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
     return Path(target)
 
 

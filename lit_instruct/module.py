@@ -18,6 +18,7 @@ from lit_instruct.callbacks.fit_report import FitReport
 from lit_instruct.callbacks.rng_states import RestoreRNGStates
 from lit_instruct.callbacks.throughput import TokensPerSecond
 from lit_instruct.export import save_adapter
+from lit_instruct.fsdp import full_tensor, gathered_trainable_state, shard_model
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.model import (
     AttnImplementation,
@@ -130,6 +131,7 @@ class InstructLoRAModule(L.LightningModule):
         self.response_tokens_seen = 0
         self.last_val_step: int | None = None
         self.saved_adapter: Path | None = None
+        self._sharded = False
 
     # -- the model ------------------------------------------------------------------------------
 
@@ -150,6 +152,16 @@ class InstructLoRAModule(L.LightningModule):
                 "data.packing is on but the model was built without packing: pass "
                 "InstructLoRAModule(packing=True) (the CLI links data.packing to model.packing)"
             )
+
+    def configure_model(self) -> None:
+        """Under a strategy with a device mesh (``fused_ce_fsdp``, Lightning's ``ModelParallelStrategy``):
+        shard the base per decoder layer and at the trunk with FSDP2 (:mod:`lit_instruct.fsdp`).
+        Other strategies leave the model as built."""
+        mesh = self.device_mesh
+        if mesh is None or self._sharded:
+            return
+        shard_model(self.base_model, mesh["data_parallel"] if mesh.mesh_dim_names else mesh)
+        self._sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Throughput, RNG states for exact resumes, and the fit report (replacing any the Trainer
@@ -193,8 +205,10 @@ class InstructLoRAModule(L.LightningModule):
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
         labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
         head = self.lm_head
+        weight, bias = full_tensor(head.weight), full_tensor(head.bias)  # whole, if FSDP sharded them
+        assert weight is not None
         loss_sum = self.loss_fn(
-            shifted, head.weight, labels, bias=head.bias, transform=self.logit_transform, reduction="sum"
+            shifted, weight, labels, bias=bias, transform=self.logit_transform, reduction="sum"
         )
         return loss_sum, num_response_tokens(batch), aux
 
@@ -283,16 +297,20 @@ class InstructLoRAModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep only the trainable (adapter) weights: the frozen base is reloaded from ``model``."""
-        checkpoint["state_dict"] = self.trainable_state_dict()
+        names = self._trainable_names()  # the strategy's state dict: whole tensors under FSDP too
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in names}
         checkpoint["tokens_seen"] = (self.tokens_seen, self.response_tokens_seen)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Complete the stored adapter weights with the frozen base already loaded, so that loading
-        stays strict: a checkpoint that lacks an adapter weight is still an error."""
+        stays strict: a checkpoint that lacks an adapter weight is still an error. (Sharded, the
+        strategy has loaded the adapter weights already.)"""
+        self.tokens_seen, self.response_tokens_seen = checkpoint.get("tokens_seen", (0, 0))
+        if self._sharded:
+            return
         trainable = self._trainable_names()
         base = {k: v for k, v in self.state_dict().items() if k not in trainable}
         checkpoint["state_dict"] = {**base, **checkpoint["state_dict"]}
-        self.tokens_seen, self.response_tokens_seen = checkpoint.get("tokens_seen", (0, 0))
 
     def adapter_path(self) -> Path:
         """Where the adapter is written: ``adapter_dir``, else ``<log dir>/adapter``."""
@@ -304,5 +322,6 @@ class InstructLoRAModule(L.LightningModule):
     def on_fit_end(self) -> None:
         """Write the PEFT adapter (rank 0, atomically)."""
         path = self.adapter_path()  # on every rank: the log directory is broadcast from rank 0
+        state = gathered_trainable_state(self.model) if self._sharded else None  # collective
         if self.trainer.is_global_zero:
-            self.saved_adapter = save_adapter(self.model, path)
+            self.saved_adapter = save_adapter(self.model, path, state)

@@ -1,7 +1,7 @@
 """Strategies that swap the module's loss for the fused linear cross-entropy, and do nothing else.
 
-``trainer.strategy: fused_ce`` (one device) or ``fused_ce_ddp`` (DDP) in YAML (registered by name
-when this module is imported, which :mod:`lit_instruct.module` does), or
+``trainer.strategy: fused_ce`` (one device), ``fused_ce_ddp`` (DDP) or ``fused_ce_fsdp`` (FSDP2) in
+YAML (registered by name when this module is imported, which :mod:`lit_instruct.module` does), or
 ``Trainer(strategy=FusedCESingleDeviceStrategy(chunk_size=256))`` in Python. The module trains the
 same without them, on its reference loss.
 """
@@ -12,8 +12,14 @@ from typing import Any, get_args
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    StrategyRegistry,
+)
 
+from lit_instruct.fsdp import gathered_trainable_state
 from lit_instruct.loss.fused import Backend, FusedLinearCrossEntropy
 
 
@@ -86,9 +92,47 @@ class FusedCEDDPStrategy(FusedCEMixin, DDPStrategy):
     strategy_name = "fused_ce_ddp"
 
 
+class FusedCEFSDPStrategy(FusedCEMixin, ModelParallelStrategy):
+    """Lightning's FSDP2 (``ModelParallelStrategy``, data parallel only) with the fused loss.
+
+    The module shards its base per decoder layer in ``configure_model`` (:mod:`lit_instruct.fsdp`);
+    the loss gathers the lm_head weight it needs. Checkpoints hold the trainable (adapter) weights
+    and their optimizer state only, gathered into one file on rank 0 (so they load on any number of
+    ranks); the frozen base is never gathered.
+    """
+
+    strategy_name = "fused_ce_fsdp"
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("save_distributed_checkpoint", False)
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = (
+            self.world_size
+        )  # every rank one data-parallel shard (no tensor parallelism)
+        super().setup_environment()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The trainable weights, whole, on rank 0 (a collective: every rank calls it)."""
+        assert self.model is not None
+        return gathered_trainable_state(self.model)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load an adapter-only checkpoint (the frozen base is not in it, hence not strict)."""
+        module = self.lightning_module
+        assert module is not None
+        strict, module.strict_loading = module.strict_loading, False
+        try:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        finally:
+            module.strict_loading = strict
+
+
 def register_strategies() -> None:
-    """Register ``fused_ce`` and ``fused_ce_ddp`` in Lightning's strategy registry (idempotent)."""
-    for cls in (FusedCESingleDeviceStrategy, FusedCEDDPStrategy):
+    """Register ``fused_ce``, ``fused_ce_ddp`` and ``fused_ce_fsdp`` in Lightning's strategy registry
+    (idempotent)."""
+    for cls in (FusedCESingleDeviceStrategy, FusedCEDDPStrategy, FusedCEFSDPStrategy):
         if cls.strategy_name not in StrategyRegistry:
             description = (cls.__doc__ or cls.strategy_name).splitlines()[0]
             StrategyRegistry.register(cls.strategy_name, cls, description=description)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_instruct.fsdp import local_tensor
+
 
 @dataclass(frozen=True)
 class WindowTotals:
@@ -38,8 +40,9 @@ def gradient_factor(response_tokens: int, accumulate_grad_batches: int, world_si
 
 
 def scale_gradients(parameters: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every existing gradient in place (one foreach kernel per device and dtype)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    """Multiply every existing gradient in place (one foreach kernel per device and dtype; sharded
+    gradients shard by shard)."""
+    grads = [local_tensor(p.grad) for p in parameters if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, factor)
 

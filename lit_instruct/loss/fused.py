@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from lit_instruct.fsdp import refuse_sharded
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
 from lit_instruct.loss.reference import Reduction, check_labels
@@ -274,7 +275,10 @@ def fused_linear_cross_entropy(
 
     Raises:
         ValueError: for bad shapes, or a label outside ``[0, V)`` that is not ``ignore_index``.
+        TypeError: for a sharded (FSDP) weight or bias.
     """
+    refuse_sharded("lm_head weight", weight)
+    refuse_sharded("lm_head bias", bias)
     if hidden.dim() != 2 or weight.dim() != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden (N, H), weight (V, H), labels (N,); got {tuple(hidden.shape)}, "

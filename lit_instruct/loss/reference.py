@@ -12,6 +12,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from lit_instruct.fsdp import refuse_sharded
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
 
@@ -68,6 +69,8 @@ def reference_linear_cross_entropy(
         transform: the model's scaling / soft-capping of the logits.
         reduction: ``mean`` over counted rows, or their ``sum``.
     """
+    refuse_sharded("lm_head weight", weight)
+    refuse_sharded("lm_head bias", bias)
     keep = labels != ignore_index  # (N,)
     if not bool(keep.any()):
         zero = (hidden.sum() + weight.sum()) * 0.0

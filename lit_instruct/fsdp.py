@@ -1,0 +1,68 @@
+"""FSDP2 (``fully_shard``) for LoRA and QLoRA: what gets sharded, and full tensors where they are needed.
+
+The base model is sharded per decoder layer and at the trunk (the decoder stack with its embeddings
+and final norm, which :meth:`InstructLoRAModule.trunk` calls): each layer's weights are gathered just
+before its forward and freed after it. LoRA adapters are sharded with their layer and stay trainable;
+their gradients are reduce-scattered (averaged over ranks, as DDP averages them).
+
+The lm_head is not part of the trunk's forward: the fused loss reads its weight directly. Read through
+:func:`full_tensor`, a sharded weight is gathered for the loss only (its shard stays the stored copy);
+the loss refuses a sharded weight outright (:func:`refuse_sharded`), so it can never compute on a
+shard by mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a shard of a tensor spread over ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (a view: in-place changes reach it), else ``tensor``."""
+    return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole of a sharded tensor (gathered from every rank; differentiable), else ``tensor``."""
+    if tensor is None or not is_sharded(tensor):
+        return tensor
+    if not tensor.requires_grad:
+        with torch.no_grad():
+            return tensor.full_tensor()  # type: ignore[attr-defined]
+    return tensor.full_tensor()  # type: ignore[attr-defined]
+
+
+def refuse_sharded(name: str, tensor: torch.Tensor | None) -> None:
+    """Raise if ``tensor`` is a shard: a loss over part of the vocabulary would be silently wrong."""
+    if tensor is not None and is_sharded(tensor):
+        raise TypeError(
+            f"the {name} is sharded (a DTensor of local shape {tuple(tensor.to_local().shape)}): the loss "  # type: ignore[attr-defined]
+            "needs the whole of it; gather it with lit_instruct.fsdp.full_tensor first"
+        )
+
+
+def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> None:
+    """``fully_shard`` each decoder layer of ``base`` and then its decoder stack, over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    decoder = base.get_decoder()
+    for layer in decoder.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def gathered_trainable_state(module: torch.nn.Module) -> dict[str, Any]:
+    """The trainable weights of a sharded ``module``, whole and on the CPU, on rank 0 (empty on the
+    others); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(module, options=options)
