@@ -1,8 +1,8 @@
 """FSDP2 (``fully_shard``) for LoRA and QLoRA: what gets sharded, and full tensors where they are needed.
 
-The base model is sharded per decoder layer and at the trunk (the decoder stack with its embeddings
-and final norm, which :meth:`InstructLoRAModule.trunk` calls): each layer's weights are gathered just
-before its forward and freed after it. LoRA adapters are sharded with their layer and stay trainable;
+The base model is sharded per decoder layer, at the trunk (the decoder stack with its embeddings
+and final norm, which :meth:`InstructLoRAModule.trunk` calls) and at the lm_head: each layer's weights
+are gathered just before its forward and freed after it. LoRA adapters are sharded with their layer and stay trainable;
 their gradients are reduce-scattered (averaged over ranks, as DDP averages them).
 
 The lm_head is not part of the trunk's forward: the fused loss reads its weight directly. Read through
@@ -50,13 +50,24 @@ def refuse_sharded(name: str, tensor: torch.Tensor | None) -> None:
 
 
 def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> None:
-    """``fully_shard`` each decoder layer of ``base`` and then its decoder stack, over ``mesh``."""
+    """``fully_shard`` each decoder layer of ``base``, then its decoder stack, then its lm_head.
+
+    The lm_head's forward never runs (the loss reads its weight), so its group only stores the
+    shards that :func:`full_tensor` gathers. A head tied to the input embeddings is tied again to
+    the embedding's shard.
+    """
     from torch.distributed.fsdp import fully_shard
 
     decoder = base.get_decoder()
+    head = base.get_output_embeddings()
+    tied = head is not None and head.weight is decoder.get_input_embeddings().weight
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if tied:
+        head.weight = decoder.get_input_embeddings().weight
+    elif head is not None:
+        fully_shard(head, mesh=mesh)
 
 
 def gathered_trainable_state(module: torch.nn.Module) -> dict[str, Any]:

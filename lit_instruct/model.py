@@ -106,6 +106,7 @@ def load_base_model(
             bnb_4bit_quant_type=quantization.method,
             bnb_4bit_use_double_quant=quantization.double_quant,
             bnb_4bit_compute_dtype=getattr(torch, dtype),
+            bnb_4bit_quant_storage=getattr(torch, dtype),  # packed in the compute dtype: FSDP can shard it
         )
         kwargs["device_map"] = {"": quantization_device()}
     if attn_implementation != "auto":

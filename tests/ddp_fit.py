@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_instruct.callbacks import GenerationPreview, SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.fsdp import local_tensor
 from lit_instruct.model import LoRAConfig
 from tests.helpers import FaultyModule, Recorder, StopAfter
 
@@ -39,6 +40,7 @@ def main(args: dict) -> None:
         nan_loss_at=tuple(args.get("nan_loss_at", ())),
         inf_grad_at=tuple(args.get("inf_grad_at", ())),
         fault_rank=args.get("fault_rank"),
+        quantization=args.get("quantization"),
     )
     batch_size = args.get("batch_size", 1)
     data = InstructDataModule(
@@ -74,7 +76,10 @@ def main(args: dict) -> None:
     trainer.fit(module, datamodule=data, ckpt_path=args.get("ckpt_path"))
     out = Path(args["out"])
     trainer.save_checkpoint(out / "last.ckpt")  # collective: every rank's RNG states go in
+    frozen = {id(p): p for p in module.parameters() if not p.requires_grad}.values()  # tied: once
     result = {
+        "base_bytes": sum(local_tensor(p).nbytes for p in frozen),  # this rank's share
+        "base_bytes_whole": sum(p.numel() * p.element_size() for p in frozen),
         "weights_per_step": [weights for weights, _, _ in recorder.states],
         "losses": recorder.losses,
         "skipped": skip.skipped,

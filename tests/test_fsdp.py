@@ -100,3 +100,28 @@ def test_the_loss_refuses_a_sharded_lm_head_and_full_tensor_gathers_it(tmp_path)
         )
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp_shards_the_4bit_base_and_trains_like_one_process(
+    tiny_model_dir, varied_file, tmp_path
+) -> None:
+    """NF4 packed in the compute dtype (``bnb_4bit_quant_storage``) shards like any weight: each rank
+    holds about half of the base, and the losses are one process's."""
+    quantization = {"method": "nf4", "compute_dtype": "float32"}
+    args = {"model": str(tiny_model_dir), "data": str(varied_file), "out": str(tmp_path / "fsdp")}
+    args.update(max_steps=4, batch_size=1, strategy="fused_ce_fsdp", quantization=quantization)
+    ranks = run_ddp_fit(args)
+
+    module, data = make(tiny_model_dir, varied_file, batch_size=2, quantization=quantization)
+    recorder = Recorder()
+    run = trainer(tmp_path / "one", max_steps=4, limit_val_batches=0)
+    run.callbacks.append(recorder)
+    run.fit(module, datamodule=data)
+
+    for rank in ranks:
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"]), torch.tensor(recorder.losses), atol=1e-5, rtol=0
+        )
+        assert 0.45 < rank["base_bytes"] / rank["base_bytes_whole"] < 0.6
+    assert recorder.losses[-1] < recorder.losses[0]
