@@ -1,9 +1,11 @@
 """FSDP2 (``fully_shard``) for LoRA and QLoRA: what gets sharded, and full tensors where they are needed.
 
 The base model is sharded per decoder layer, at the trunk (the decoder stack with its embeddings
-and final norm, which :meth:`InstructLoRAModule.trunk` calls) and at the lm_head: each layer's weights
-are gathered just before its forward and freed after it. LoRA adapters are sharded with their layer and stay trainable;
-their gradients are reduce-scattered (averaged over ranks, as DDP averages them).
+and final norm, which :meth:`InstructLoRAModule.trunk` calls) and at the lm_head: each layer's
+weights are gathered just before its forward and freed after it. LoRA adapters are sharded with
+their layer and stay trainable; their gradients are reduce-scattered (averaged over ranks, as DDP
+averages them). A 4-bit (NF4) base shards the same way when bitsandbytes packs it in the compute
+dtype (``bnb_4bit_quant_storage``, which :func:`lit_instruct.model.load_base_model` sets).
 
 The lm_head is not part of the trunk's forward: the fused loss reads its weight directly. Read through
 :func:`full_tensor`, a sharded weight is gathered for the loss only (its shard stays the stored copy);
