@@ -6,6 +6,7 @@ from lit_instruct.callbacks.interrupt import GracefulInterrupt
 from lit_instruct.callbacks.layer_profiler import LayerProfiler
 from lit_instruct.callbacks.loss_curves import LossCurves
 from lit_instruct.callbacks.nonfinite import NonFiniteTrainingError, SkipNonFiniteSteps
+from lit_instruct.callbacks.plain_progress import PlainProgress
 
 __all__ = [
     "AdapterCheckpoint",
@@ -14,5 +15,6 @@ __all__ = [
     "LayerProfiler",
     "LossCurves",
     "NonFiniteTrainingError",
+    "PlainProgress",
     "SkipNonFiniteSteps",
 ]

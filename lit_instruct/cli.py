@@ -13,7 +13,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_instruct.callbacks import GracefulInterrupt
+from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.checkpoint_io import SafeCheckpointIO
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.module import InstructLoRAModule
@@ -81,14 +81,21 @@ class InstructCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """The configured Trainer, saving checkpoints atomically and loading them ``weights_only``
-        (:class:`SafeCheckpointIO`, unless another checkpoint IO is configured), and stopping
-        gracefully on Ctrl-C (:class:`GracefulInterrupt`)."""
+        (:class:`SafeCheckpointIO`, unless another checkpoint IO is configured), stopping gracefully
+        on Ctrl-C (:class:`GracefulInterrupt`), and printing plain progress lines every
+        ``log_every_n_steps`` instead of a progress bar when stdout is no terminal
+        (:class:`PlainProgress`)."""
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
         if not any(isinstance(callback, GracefulInterrupt) for callback in callbacks):
             callbacks.insert(0, GracefulInterrupt())
+        bar = trainer.progress_bar_callback
+        if bar is not None and not sys.stdout.isatty():  # a log file: plain lines instead of a bar
+            callbacks.remove(bar)
+            every = getattr(trainer, "log_every_n_steps", 10)  # set by Lightning at init, undeclared
+            callbacks.append(PlainProgress(every_n_steps=max(1, every)))
         return trainer
 
     def _val(self) -> dict[str, float]:

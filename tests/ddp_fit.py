@@ -2,7 +2,8 @@
 
     python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
 
-Optional: ``streaming``, ``ckpt_every`` (a ModelCheckpoint every N steps into ``out``), ``stop_after``
+Optional: ``strategy`` (default ``ddp``), ``quantization``, ``streaming``, ``ckpt_every`` (a
+ModelCheckpoint every N steps into ``out``), ``stop_after``
 (end the fit after N steps, as if killed: the schedule still spans ``max_steps``), ``ckpt_path``.
 
 Lightning's ``ddp`` launcher starts rank 1 by running this script again. Rank 0 writes

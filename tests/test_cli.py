@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,23 @@ def test_data_packing_builds_the_model_for_packed_rows(tiny_model_dir: Path, cha
         assert cli.model.packing == cli.datamodule.packing == (packing == "true")
         packed = attention_implementation(cli.model.base_model) == PACKED_ATTENTION["sdpa"]
         assert packed == (packing == "true")
+
+
+def test_without_a_terminal_fit_prints_plain_progress_lines(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, capsys
+) -> None:
+    """Under pytest stdout is no terminal (as under SLURM or nohup): no bar, a line every N steps."""
+    from lit_instruct.callbacks.plain_progress import duration
+
+    args = ["fit", "--config", str(ROOT / "configs" / "lora.yaml"), "--model.model", str(tiny_model_dir)]
+    args += ["--data.train_files", f"[{chat_file}]", "--data.val_fraction", "0.3", "--data.batch_size", "1"]
+    args += ["--trainer.max_steps", "4", "--trainer.log_every_n_steps", "2", "--trainer.logger", "false"]
+    args += ["--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path)]
+    args += ["--trainer.enable_progress_bar", "true", "--trainer.callbacks", "[]"]
+    main(args)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    number = r"\d+\.\d{4} lr \d\.\de-\d\d tokens/s \d+ elapsed \d+s"
+    assert len(lines) == 2
+    assert re.fullmatch(rf"step 2/4 \(50%\) loss {number} eta \d+s", lines[0]), lines[0]
+    assert re.fullmatch(rf"step 4/4 \(100%\) loss {number} eta 0s", lines[1]), lines[1]
+    assert [duration(s) for s in (3, 123, 3723)] == ["3s", "2m03s", "1h02m03s"]
