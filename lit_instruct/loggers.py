@@ -1,13 +1,23 @@
-"""Weights & Biases, offline first: runs are kept locally unless the user has logged in."""
+"""Weights & Biases, offline first: runs are kept locally unless the user has logged in and W&B answers.
+
+W&B never takes a run down: with credentials but no way to reach the service (a compute node without
+internet), ``wandb.init`` would retry for about 90 s and then fail the run. The service is probed
+first (seconds), and an unreachable one, or an ``init`` that fails anyway, gives an offline run with
+a warning that says where it is and how to upload it (``wandb sync``).
+"""
 
 from __future__ import annotations
 
 import netrc
 import os
+import warnings
 from typing import Any
 from urllib.parse import urlparse
 
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import WandbLogger
+
+from lit_instruct.network import reachable
 
 
 def wandb_credentials_found() -> bool:
@@ -21,12 +31,19 @@ def wandb_credentials_found() -> bool:
         return False
 
 
+def wandb_host() -> str:
+    """The W&B server: ``WANDB_BASE_URL``, else https://api.wandb.ai."""
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
 class AutoWandbLogger(WandbLogger):
-    """Lightning's ``WandbLogger``, offline unless credentials are configured.
+    """Lightning's ``WandbLogger``, offline unless credentials are configured and W&B answers.
 
     ``WANDB_MODE`` (``offline``/``online``/``disabled``), when set, decides; otherwise the run is
-    online only when :func:`wandb_credentials_found`. Offline runs land in ``<save_dir>/wandb`` and
-    ``wandb sync <run folder>`` uploads them later.
+    online only when :func:`wandb_credentials_found` and the server answers within seconds
+    (:func:`lit_instruct.network.reachable`). Offline runs land in ``<save_dir>/wandb`` and
+    ``wandb sync <run folder>`` uploads them later. An online ``wandb.init`` that fails (an
+    unreachable server after all, a rejected key) falls back to an offline run, with a warning.
 
     Args:
         offline: force offline (``True``) or online (``False``); ``None`` decides as above.
@@ -38,8 +55,37 @@ class AutoWandbLogger(WandbLogger):
     def __init__(
         self, offline: bool | None = None, project: str = "lit-instruct", save_dir: str = ".", **kwargs: Any
     ) -> None:
+        self._fallback_reason: str | None = None
         if offline is None:
             mode = os.environ.get("WANDB_MODE")
             offline = mode in ("offline", "dryrun") if mode else not wandb_credentials_found()
+            if not offline and not mode and not reachable(wandb_host()):
+                offline = True
+                self._fallback_reason = f"W&B ({wandb_host()}) is unreachable"
         os.makedirs(save_dir, exist_ok=True)
         super().__init__(offline=offline, project=project, save_dir=save_dir, **kwargs)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        """The W&B run; an online one that cannot start becomes an offline one."""
+        if self._experiment is None and not self._offline:
+            try:
+                return super().experiment
+            except Exception as error:
+                detail = " ".join(str(error).split())  # one line
+                self._fallback_reason = (
+                    f"W&B could not start an online run ({type(error).__name__}: {detail})"
+                )
+                self._offline = True
+                self._wandb_init["mode"] = "offline"
+                self._experiment = None
+        run = super().experiment
+        if self._fallback_reason is not None:
+            reason, self._fallback_reason = self._fallback_reason, None
+            warnings.warn(
+                f"{reason}: logging offline to {run.dir.removesuffix('/files')}; upload it later with "
+                f"`wandb sync {run.dir.removesuffix('/files')}`",
+                stacklevel=2,
+            )
+        return run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -19,6 +20,7 @@ from lit_instruct.cli import InstructCLI
 from lit_instruct.loggers import AutoWandbLogger
 from lit_instruct.secrets import redact
 from tests import wandb_reader
+from tests.helpers import make, trainer
 
 SECRET = "wandb-dummy-secret-0123456789abcdef0123456789"
 
@@ -120,14 +122,49 @@ def test_adapter_checkpoint_follows_every_hook_in_which_model_checkpoint_saves()
 
 
 def test_wandb_is_offline_without_credentials_and_online_with_them(tmp_path, monkeypatch) -> None:
+    import lit_instruct.loggers
+
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     assert AutoWandbLogger(save_dir=str(tmp_path))._offline is True
     monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    monkeypatch.setattr(lit_instruct.loggers, "reachable", lambda url: True)
     assert AutoWandbLogger(save_dir=str(tmp_path))._offline is False
+    monkeypatch.setattr(lit_instruct.loggers, "reachable", lambda url: False)
+    assert AutoWandbLogger(save_dir=str(tmp_path))._offline is True  # credentials, but no W&B
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert AutoWandbLogger(save_dir=str(tmp_path))._offline is True
+
+
+def test_a_key_without_a_network_gives_an_offline_run_within_seconds(
+    tiny_model_dir, chat_file, tmp_path, monkeypatch
+) -> None:
+    """A compute node with WANDB_API_KEY set and no internet (this machine): the fit logs offline,
+    says where and how to sync, and keeps its config and history, instead of ~90 s of retries and a
+    crash."""
+    import time
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")  # 40 characters
+    module, data = make(tiny_model_dir, chat_file)
+    logger = AutoWandbLogger(save_dir=str(tmp_path), project="no-network")
+    start = time.monotonic()
+    with pytest.warns(
+        UserWarning,
+        match=r"W&B \(https://api\.wandb\.ai\) is unreachable: logging offline to .*offline-run-.*wandb sync",
+    ):
+        logger.log_hyperparams({"lr": 0.01})
+    trainer(tmp_path, logger=logger, log_every_n_steps=1, max_steps=3, limit_val_batches=0).fit(
+        module, datamodule=data
+    )
+    logger.experiment.finish()
+    assert time.monotonic() - start < 60
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    rows = wandb_reader.history(run_file)
+    assert [row["trainer/global_step"] for row in rows if "train/loss" in row] == [0, 1, 2]
+    assert wandb_reader.config(run_file)["lr"] == 0.01
 
 
 def test_redact_secret_fields_and_secret_environment_values(monkeypatch) -> None:
@@ -144,3 +181,43 @@ def test_redact_secret_fields_and_secret_environment_values(monkeypatch) -> None
         "lr": 0.1,
         "r": ["<redacted>"],
     }
+
+
+INIT_FAILS = """
+import json, sys, warnings
+import lit_instruct.loggers as loggers
+loggers.reachable = lambda url: True  # the probe passes; the init itself fails
+logger = loggers.AutoWandbLogger(save_dir=sys.argv[1], project="init-fails")
+online = not logger._offline
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    logger.log_metrics({"x": 1.0}, step=0)
+logger.experiment.finish()
+print(json.dumps({"online_at_first": online, "offline": logger._offline,
+                  "warnings": [str(w.message) for w in caught if "W&B" in str(w.message)]}))
+"""
+
+
+@pytest.mark.slow
+def test_an_online_init_that_fails_falls_back_to_an_offline_run(tmp_path) -> None:
+    """The server looked reachable but ``wandb.init`` fails (nothing listens): an offline run. In a
+    fresh process: wandb keeps its settings per process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567"}
+    env.update(WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="5")
+    env.pop("WANDB_MODE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", INIT_FAILS, str(tmp_path)], env=env, capture_output=True, text=True, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["online_at_first"] and result["offline"]
+    (warning,) = result["warnings"]
+    assert warning.startswith("W&B could not start an online run (CommError: ")
+    (run_dir,) = tmp_path.glob("wandb/offline-run-*")
+    assert warning.endswith(f"logging offline to {run_dir}; upload it later with `wandb sync {run_dir}`")
+    (run_file,) = run_dir.glob("run-*.wandb")
+    assert [row["x"] for row in wandb_reader.history(run_file)] == [1.0]

@@ -12,21 +12,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from lit_instruct.data.chatterbot import corpus_dir, read_chatterbot
 from lit_instruct.data.records import DataError, Record, RecordFormat, to_record
+from lit_instruct.network import reachable
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 """Files read as tables through ``datasets``."""
 DATA_SUFFIXES = (".json", ".jsonl", *TABLE_SUFFIXES)
-HUB_PROBE_TIMEOUT_S = 3.0
 CHATTERBOT = "chatterbot:"
 """Path prefix of the bundled chatterbot corpus: ``chatterbot:all``, ``chatterbot:greetings,ai``."""
 
@@ -166,16 +164,6 @@ def iter_rows(dataset: Any, where: str) -> Iterator[RawRecord]:
         yield RawRecord(json.dumps(row, default=str), f"{where}:row {index}", row)
 
 
-def hub_reachable(endpoint: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the hub's endpoint opens within ``timeout`` seconds."""
-    url = urlparse(endpoint)
-    try:
-        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def load_hub_dataset(repo_id: str, split: str, streaming: bool = False) -> Any:
     """A hub dataset's split, from the network or the local ``datasets`` cache.
 
@@ -187,7 +175,7 @@ def load_hub_dataset(repo_id: str, split: str, streaming: bool = False) -> Any:
     import datasets.config
     import huggingface_hub.constants as hub
 
-    offline = bool(hub.HF_HUB_OFFLINE) or not hub_reachable(hub.ENDPOINT)
+    offline = bool(hub.HF_HUB_OFFLINE) or not reachable(hub.ENDPOINT)
     saved = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
     hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = offline or saved[0]
     try:
