@@ -188,7 +188,38 @@ def generate_main(argv: list[str]) -> None:
     )
 
 
-COMMANDS = {"prepare": prepare_main, "export": export_main, "generate": generate_main}
+def eval_main(argv: list[str]) -> None:
+    """``lit-instruct eval``: token-weighted loss and perplexity of an adapter on held-out files."""
+    from lit_instruct.evaluate import evaluate, write_answers
+
+    parser = argparse.ArgumentParser(prog="lit-instruct eval", description=eval_main.__doc__)
+    parser.add_argument("--adapter", required=True, help="adapter folder written by training")
+    parser.add_argument("--data", required=True, nargs="+", help="held-out files (any format training reads)")
+    parser.add_argument("--model", help="base model (default: the adapter's base_model_name_or_path)")
+    parser.add_argument("--base", action="store_true", help="also measure the base model, side by side")
+    parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--chat-template", help="Jinja template or 'alpaca' (as in training)")
+    parser.add_argument("--answers", help="write each record's prompt, reference and answer to this JSONL")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+    results = evaluate(
+        args.adapter, args.data, args.model, args.base, args.max_seq_len, args.batch_size, args.chat_template
+    )
+    names = sorted({k for metrics in results.values() for k in metrics if k.startswith("val/loss")})
+    sys.stdout.write(f"{'':<10}" + "".join(f"{n:>22}" for n in [*names, "val/ppl", "val/tokens"]) + "\n")
+    for label, metrics in results.items():
+        values = [metrics.get(n, float("nan")) for n in [*names, "val/ppl"]]
+        row = "".join(f"{v:>22.4f}" for v in values) + f"{int(metrics['val/tokens']):>22d}"
+        sys.stdout.write(f"{label:<10}{row}\n")
+    if args.answers:
+        out = write_answers(
+            args.adapter, args.data, args.answers, args.model, args.max_new_tokens, args.chat_template
+        )
+        sys.stdout.write(f"answers written to {out}\n")
+
+
+COMMANDS = {"prepare": prepare_main, "export": export_main, "generate": generate_main, "eval": eval_main}
 
 
 def main(argv: list[str] | None = None) -> None:

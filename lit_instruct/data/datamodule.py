@@ -128,9 +128,10 @@ class InstructDataModule(L.LightningDataModule):
         )
         if chatterbot_categories:
             self.sources.append(DataSource(CHATTERBOT + ",".join(chatterbot_categories)))
-        if not self.sources:
+        if not (self.sources or val_files):
             raise ValueError(
-                "InstructDataModule needs data: set sources, train_files or chatterbot_categories"
+                "InstructDataModule needs data: set sources, train_files or chatterbot_categories "
+                "(or only val_files, to validate)"
             )
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -255,7 +256,7 @@ class InstructDataModule(L.LightningDataModule):
             )
         if self.streaming:
             rank_zero_info("lit-instruct data [train]: streamed (read and rendered while training)")
-        elif not len(prepared.train):
+        elif not len(prepared.train) and stage in ("fit", None):
             raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
 
     def model_vocab_size(self) -> int | None:

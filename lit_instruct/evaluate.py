@@ -1,0 +1,120 @@
+"""``lit-instruct eval``: a trained adapter's token-weighted loss and perplexity on held-out files.
+
+The numbers are validation's: the files are read, rendered and masked exactly as in training (the
+data module's validation split), and the module's own validation step computes sum(CE) / count over
+the response tokens, overall and per file (``val/loss/<name>``). ``--base`` measures the base model
+the same way (the adapter switched off); ``--answers`` writes the model's answers to each record's
+last prompt, for comparing adapters side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lit_instruct.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+
+def load_adapter_module(adapter: str | Path, base: str | None = None) -> Any:
+    """An :class:`InstructLoRAModule` with the adapter's LoRA layout and weights, in eval mode."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from lit_instruct.model import LoRAConfig
+    from lit_instruct.module import InstructLoRAModule
+
+    adapter = Path(adapter)
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    lora = LoRAConfig(
+        r=config["r"],
+        alpha=config["lora_alpha"],
+        target_modules=sorted(config["target_modules"]),
+        use_rslora=config.get("use_rslora", False),
+    )
+    module = InstructLoRAModule(model=base or config["base_model_name_or_path"], lora=lora)
+    result: Any = set_peft_model_state_dict(module.model, load_file(adapter / ADAPTER_WEIGHTS))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    unexpected = list(result.unexpected_keys)
+    if missing or unexpected:
+        raise ValueError(
+            f"{adapter} does not fit its base: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    return module.eval()
+
+
+def evaluate(
+    adapter: str | Path,
+    data: Sequence[str],
+    base: str | None = None,
+    with_base: bool = False,
+    max_seq_len: int = 512,
+    batch_size: int = 8,
+    chat_template: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """Validation metrics of the adapter (``"adapter"``) and, with ``with_base``, of its base
+    (``"base"``) on ``data``: ``val/loss``, ``val/ppl``, ``val/tokens`` and ``val/loss/<file>``."""
+    import lightning as L
+
+    from lit_instruct.data.datamodule import InstructDataModule
+
+    module = load_adapter_module(adapter, base)
+    datamodule = InstructDataModule(
+        tokenizer=module.hparams["model"],
+        val_files=list(data),
+        max_seq_len=max_seq_len,
+        eval_batch_size=batch_size,
+        chat_template=chat_template,
+    )
+    trainer = L.Trainer(
+        accelerator="auto",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+    def run() -> dict[str, float]:
+        (metrics, *_) = trainer.validate(module, datamodule=datamodule, verbose=False)
+        return {k: float(v) for k, v in metrics.items()}
+
+    results = {"adapter": run()}
+    if with_base:
+        with module.model.disable_adapter():
+            results["base"] = run()
+    return results
+
+
+def write_answers(
+    adapter: str | Path,
+    data: Sequence[str],
+    out: str | Path,
+    base: str | None = None,
+    max_new_tokens: int = 256,
+    chat_template: str | None = None,
+) -> Path:
+    """For each record of ``data``: its conversation up to the last answer, the reference answer and
+    the adapter's greedy answer, one JSON line each."""
+    from transformers import AutoTokenizer
+
+    from lit_instruct.data.sources import read_source
+    from lit_instruct.generate import generate
+    from lit_instruct.model import resolve_model_path
+
+    module = load_adapter_module(adapter, base)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(module.hparams["model"]))
+    lines = []
+    for path in data:
+        for record in read_source(path):
+            prompt = [m.for_template() for m in record.messages[:-1]]
+            answer = generate(
+                module.model, tokenizer, prompt, max_new_tokens=max_new_tokens, chat_template=chat_template
+            )
+            row = {"source": record.source, "messages": prompt, "reference": record.messages[-1].content}
+            lines.append(json.dumps({**row, "answer": answer}, ensure_ascii=False))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return out
