@@ -219,7 +219,36 @@ def eval_main(argv: list[str]) -> None:
         sys.stdout.write(f"answers written to {out}\n")
 
 
-COMMANDS = {"prepare": prepare_main, "export": export_main, "generate": generate_main, "eval": eval_main}
+def chat_main(argv: list[str]) -> None:
+    """``lit-instruct chat``: a multi-turn chat in the terminal, answers streamed."""
+    from transformers import TextStreamer
+
+    from lit_instruct.chat import ChatSession, run_chat
+    from lit_instruct.generate import load_for_generation
+
+    parser = argparse.ArgumentParser(prog="lit-instruct chat", description=chat_main.__doc__)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, folder or hub id")
+    parser.add_argument("--adapter", help="PEFT adapter folder to apply")
+    parser.add_argument("--system", help="a system prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
+    parser.add_argument("--chat-template", help="Jinja template or 'alpaca' (as in training)")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_for_generation(args.model, args.adapter)
+    context = args.context_length or getattr(model.config, "max_position_embeddings", 2048)
+    session = ChatSession(model, tokenizer, context, args.max_new_tokens, args.chat_template, args.system)
+    run_chat(
+        session, sys.stdin, sys.stdout, TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    )
+
+
+COMMANDS = {
+    "prepare": prepare_main,
+    "export": export_main,
+    "generate": generate_main,
+    "eval": eval_main,
+    "chat": chat_main,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
