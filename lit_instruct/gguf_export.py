@@ -1,0 +1,219 @@
+"""A merged model -> one GGUF file for llama.cpp, Ollama and LM Studio, with ``gguf``'s writer (no
+llama.cpp checkout or build).
+
+Written: the architecture's metadata, every tensor under GGUF's name in the layout llama.cpp expects
+(Llama-style q/k rows permuted from Hugging Face's rotary layout back to the interleaved one; a tied
+output head left out), the BPE tokenizer (tokens, types, merges, special ids, the pre-tokenizer name)
+and the chat template. Norms and biases stay F32; matrices are stored as ``f32``, ``f16``, ``bf16``,
+``q8_0`` or ``q4_0``. Only the families listed in :data:`SUPPORTED` are written; any other is refused
+with its name, never written wrong. The file appears atomically (written beside it, then renamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a ``transformers`` model type is written."""
+
+    arch: str  # gguf.MODEL_ARCH member name
+    permute_qk: bool  # Llama-style rotary: q/k rows go back to the interleaved layout
+
+
+SUPPORTED = {"llama": Family("LLAMA", permute_qk=True), "qwen2": Family("QWEN2", permute_qk=False)}
+QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+TOKENIZER_PRE = {("llama", 49152): "smollm", ("llama", 128256): "llama-bpe", ("qwen2", 151936): "qwen2"}
+"""llama.cpp's pre-tokenizer names for known vocabularies (``tokenizer_pre`` names any other)."""
+
+
+def permute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Hugging Face's half-split rotary rows -> the interleaved order llama.cpp uses, per head."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def _check_supported(config: Any) -> Family:
+    family = SUPPORTED.get(config.model_type)
+    if family is None:
+        raise ValueError(
+            f"GGUF export supports {sorted(SUPPORTED)}, not {config.model_type!r}: its tensor layout "
+            "and metadata would have to be checked against llama.cpp first"
+        )
+    scaling = getattr(config, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"GGUF export does not write rope scaling {kind!r} yet (config.rope_scaling)")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError(
+            "GGUF export does not write sliding-window attention yet (config.use_sliding_window)"
+        )
+    return family
+
+
+def _tensor_data(tensor: torch.Tensor, quant: str) -> tuple[np.ndarray, Any]:
+    """The bytes to store and their GGML type: 1-D tensors F32, matrices in ``quant`` (a row length
+    that is not a multiple of the 32-value block falls back to F16)."""
+    import gguf
+
+    data = tensor.detach().to(torch.float32).cpu().numpy()
+    types = gguf.GGMLQuantizationType
+    if data.ndim == 1 or quant == "f32":
+        return data, types.F32
+    if quant == "f16" or (quant in ("q8_0", "q4_0") and data.shape[-1] % 32):
+        return data.astype(np.float16), types.F16
+    qtype = {"bf16": types.BF16, "q8_0": types.Q8_0, "q4_0": types.Q4_0}[quant]
+    return gguf.quants.quantize(data, qtype), qtype
+
+
+def _tokenizer_fields(
+    writer: Any, tokenizer: Any, config: Any, pre: str | None, chat_template: str | None
+) -> None:
+    import gguf
+
+    vocab_size = config.vocab_size
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+    }
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+    types = [
+        gguf.TokenType.CONTROL
+        if i in special
+        else gguf.TokenType.USER_DEFINED
+        if i in added
+        else gguf.TokenType.NORMAL
+        for i in range(len(tokens))
+    ]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # embedding rows past the vocabulary
+    types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"GGUF export writes BPE tokenizers, not {model.get('type')!r}")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    name = pre or TOKENIZER_PRE.get((config.model_type, vocab_size))
+    if name is None:
+        raise ValueError(
+            f"unknown pre-tokenizer for a {config.model_type} vocabulary of {vocab_size}: pass tokenizer_pre "
+            "(llama.cpp's name for it, e.g. llama-bpe, qwen2, smollm)"
+        )
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(name)
+    writer.add_token_list(tokens)
+    writer.add_token_types([int(t) for t in types])
+    writer.add_token_merges(merges)
+    for key, value in (
+        ("bos", tokenizer.bos_token_id),
+        ("eos", tokenizer.eos_token_id),
+        ("unk", tokenizer.unk_token_id),
+        ("pad", tokenizer.pad_token_id),
+    ):
+        if value is not None:
+            getattr(writer, f"add_{key}_token_id")(value)
+    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
+    template = chat_template or tokenizer.chat_template
+    if template:
+        writer.add_chat_template(template)
+
+
+def write_gguf(
+    model: Any,
+    tokenizer: Any,
+    out: str | Path,
+    quant: str = "f16",
+    chat_template: str | None = None,
+    tokenizer_pre: str | None = None,
+    name: str | None = None,
+) -> Path:
+    """Write ``model`` (a merged ``transformers`` causal LM) and ``tokenizer`` to the GGUF file ``out``.
+
+    Raises:
+        ValueError: for an unsupported family, rope scaling, sliding windows, tokenizer or ``quant``.
+    """
+    import gguf
+
+    if quant not in QUANT_TYPES:
+        raise ValueError(f"quant must be one of {QUANT_TYPES}, got {quant!r}")
+    config = model.config
+    family = _check_supported(config)
+    arch = getattr(gguf.MODEL_ARCH, family.arch)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.partial")
+    writer = gguf.GGUFWriter(str(staging), gguf.MODEL_ARCH_NAMES[arch])
+    try:
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        writer.add_name(name or out.stem)
+        writer.add_context_length(config.max_position_embeddings)
+        writer.add_embedding_length(config.hidden_size)
+        writer.add_block_count(config.num_hidden_layers)
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(kv_heads)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+        theta = getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get(
+            "rope_theta", 10000.0
+        )
+        writer.add_rope_freq_base(float(theta))
+        writer.add_vocab_size(config.vocab_size)
+        file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+        writer.add_file_type(getattr(gguf.LlamaFileType, file_type.get(quant, "MOSTLY_Q4_0")))
+        _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template)
+        names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        for hf_name, tensor in model.state_dict().items():
+            if tied and hf_name == "lm_head.weight":
+                continue  # llama.cpp reuses the token embedding
+            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            if gguf_name is None:
+                raise ValueError(f"no GGUF name for tensor {hf_name!r} of {config.model_type}")
+            if family.permute_qk and hf_name.endswith("q_proj.weight"):
+                tensor = permute_rotary(tensor, heads)
+            elif family.permute_qk and hf_name.endswith("k_proj.weight"):
+                tensor = permute_rotary(tensor, kv_heads)
+            data, qtype = _tensor_data(tensor, quant)
+            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(staging, out)
+    except BaseException:
+        writer.close()
+        staging.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def export_gguf(
+    adapter: str | Path,
+    out: str | Path,
+    quant: str = "f16",
+    base: str | None = None,
+    tokenizer_pre: str | None = None,
+) -> Path:
+    """Merge ``adapter`` into its full-precision base and write the GGUF file ``out``."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from lit_instruct.export import ADAPTER_CONFIG
+    from lit_instruct.model import load_base_model, resolve_model_path
+
+    adapter = Path(adapter)
+    base = base or json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    model = PeftModel.from_pretrained(load_base_model(base, "float32"), adapter).merge_and_unload()
+    _check_supported(model.config)  # before any work on the tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(base))
+    return write_gguf(model, tokenizer, out, quant, tokenizer_pre=tokenizer_pre, name=adapter.name)
