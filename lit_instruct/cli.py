@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -140,15 +142,42 @@ def prepare_main(argv: list[str]) -> None:
 
 
 def export_main(argv: list[str]) -> None:
-    """``lit-instruct export``: a clean PEFT adapter folder, or (``--merge``) a standalone model."""
+    """``lit-instruct export``: a clean PEFT adapter folder, a standalone model (``--merge``), or one
+    GGUF file for llama.cpp / Ollama / LM Studio (``--gguf``, with ``--ollama`` a Modelfile beside it)."""
     from lit_instruct.export import export_adapter, merge_adapter
 
     parser = argparse.ArgumentParser(prog="lit-instruct export", description=export_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")
-    parser.add_argument("--out", required=True, help="output folder (replaced atomically)")
+    parser.add_argument("--out", required=True, help="output folder, or .gguf file (replaced atomically)")
     parser.add_argument("--merge", action="store_true", help="merge into a full-precision copy of the base")
+    parser.add_argument("--gguf", action="store_true", help="merge and write one GGUF file")
+    parser.add_argument("--quant", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    parser.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile beside it")
+    parser.add_argument("--tokenizer-pre", help="llama.cpp's pre-tokenizer name, for an unknown vocabulary")
     parser.add_argument("--base", help="base model (default: the adapter's base_model_name_or_path)")
     args = parser.parse_args(argv)
+    if args.gguf:
+        from lit_instruct.gguf_export import export_gguf
+
+        out = export_gguf(args.adapter, args.out, args.quant, args.base, args.tokenizer_pre)
+        sys.stdout.write(f"GGUF ({args.quant}) written to {out}\n")
+        if args.ollama:
+            from transformers import AutoTokenizer
+
+            from lit_instruct.model import resolve_model_path
+            from lit_instruct.ollama import write_modelfile
+
+            base = (
+                args.base
+                or json.loads((Path(args.adapter) / "adapter_config.json").read_text())[
+                    "base_model_name_or_path"
+                ]
+            )
+            modelfile = write_modelfile(out, AutoTokenizer.from_pretrained(resolve_model_path(base)))
+            sys.stdout.write(f"Modelfile written to {modelfile}: ollama create NAME -f {modelfile}\n")
+        return
+    if args.ollama:
+        parser.error("--ollama needs --gguf")
     out = (
         merge_adapter(args.adapter, args.out, args.base)
         if args.merge

@@ -1,0 +1,103 @@
+"""An Ollama ``Modelfile`` beside an exported GGUF: ``ollama create NAME -f Modelfile`` works.
+
+Ollama prompts with its own (Go) template language, not the model's Jinja chat template. The formats
+whose Go template is known are written (:data:`FORMATS`: ChatML and Llama 3), each checked against
+the Jinja template first: the Go template, filled for a test conversation, must give exactly what the
+Jinja template renders for it; any other template is refused rather than written wrong. The system
+prompt the Jinja template adds by itself (SmolLM2 has one) becomes the ``SYSTEM`` default, and the
+end-of-turn marker the ``stop`` parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lit_instruct.data.render import resolve_chat_template
+
+
+@dataclass(frozen=True)
+class OllamaFormat:
+    """A chat format: how to recognise it, its Go template, its per-turn Python rendering (the
+    Go template's meaning, to check it against the Jinja one) and its stop marker."""
+
+    marker: str
+    template: str
+    turn: str  # str.format with role, content
+    prompt: str  # the generation prompt
+    stop: str
+
+
+FORMATS = {
+    "chatml": OllamaFormat(
+        marker="<|im_start|>",
+        template="{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
+        "<|im_start|>assistant\n",
+        turn="<|im_start|>{role}\n{content}<|im_end|>\n",
+        prompt="<|im_start|>assistant\n",
+        stop="<|im_end|>",
+    ),
+    "llama3": OllamaFormat(
+        marker="<|start_header_id|>",
+        template="<|begin_of_text|>{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n"
+        "{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n",
+        turn="<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>",
+        prompt="<|start_header_id|>assistant<|end_header_id|>\n\n",
+        stop="<|eot_id|>",
+    ),
+}
+PROBE = [
+    {"role": "system", "content": "Sys."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello"},
+    {"role": "user", "content": "Bye"},
+]
+
+
+def _render(tokenizer: Any, template: str, messages: list[dict[str, str]]) -> str:
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+
+
+def ollama_format(tokenizer: Any, chat_template: str | None = None) -> tuple[OllamaFormat, str | None]:
+    """The known format that reproduces the chat template exactly, and the default system prompt
+    the template adds when a conversation has none.
+
+    Raises:
+        ValueError: when no known format reproduces the template.
+    """
+    template = resolve_chat_template(tokenizer, chat_template)
+    for name, fmt in FORMATS.items():
+        if fmt.marker not in template:
+            continue
+        jinja = _render(tokenizer, template, PROBE)
+        start = (tokenizer.bos_token or "") if fmt.template.startswith(tokenizer.bos_token or "\0") else ""
+        ours = start + "".join(fmt.turn.format(**m) for m in PROBE) + fmt.prompt
+        if jinja != ours:
+            raise ValueError(
+                f"the chat template looks like {name} but renders differently than Ollama's {name} template "
+                f"would:\n  jinja:  {jinja!r}\n  ollama: {ours!r}\nwrite the Modelfile's TEMPLATE by hand"
+            )
+        alone = _render(tokenizer, template, PROBE[1:2]).removeprefix(start)
+        system_turn = fmt.turn.split("{content}")[0].format(role="system")
+        found = re.match(re.escape(system_turn) + r"(.*?)" + re.escape(fmt.stop), alone, re.S)
+        return fmt, found.group(1) if found else None
+    raise ValueError(
+        f"no Ollama template is known for this chat template (known: {sorted(FORMATS)}); write the "
+        "Modelfile's TEMPLATE by hand (https://github.com/ollama/ollama/blob/main/docs/template.md)"
+    )
+
+
+def write_modelfile(gguf_file: str | Path, tokenizer: Any, chat_template: str | None = None) -> Path:
+    """Write ``Modelfile`` next to ``gguf_file`` (FROM, TEMPLATE, PARAMETER stop, SYSTEM)."""
+    gguf_file = Path(gguf_file)
+    fmt, system = ollama_format(tokenizer, chat_template)
+    lines = [f"FROM ./{gguf_file.name}", f'TEMPLATE """{fmt.template}"""', f'PARAMETER stop "{fmt.stop}"']
+    if system:
+        lines.append(f'SYSTEM """{system}"""')
+    path = gguf_file.with_name("Modelfile")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
