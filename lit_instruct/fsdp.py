@@ -79,3 +79,41 @@ def gathered_trainable_state(module: torch.nn.Module) -> dict[str, Any]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     return get_model_state_dict(module, options=options)
+
+
+def launched_rank() -> int:
+    """This process's rank as its launcher set it (Lightning's and torchrun's ``LOCAL_RANK`` /
+    ``RANK``), before any process group exists; 0 when not launched as a rank."""
+    import os
+
+    return max(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def fill_from_rank_zero(
+    module: torch.nn.Module, full_state: dict[str, Any] | None, device: torch.device
+) -> None:
+    """After sharding: give every rank its shards of rank 0's weights (``full_state``, whole, on rank 0
+    only; ``None`` elsewhere) and rank 0's buffers; a rank built on the meta device first gets the
+    memory of its own shards only (``to_empty``). A collective: every rank calls it.
+
+    Raises:
+        RuntimeError: when a tensor the model keeps outside its parameters and buffers is still on the
+            meta device (it would be garbage).
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+        module.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(module, full_state or {}, options=options)
+    for buffer in module.buffers():  # non-persistent ones (rotary frequencies) are in no state dict
+        dist.broadcast(buffer, src=0)
+    for name, sub in module.named_modules():
+        for attribute, value in list(vars(sub).items()):
+            if not (isinstance(value, torch.Tensor) and value.is_meta):
+                continue
+            if attribute == "original_inv_freq" and isinstance(getattr(sub, "inv_freq", None), torch.Tensor):
+                setattr(sub, attribute, sub.inv_freq.clone())  # rotary: the frequencies before any rescaling
+                continue
+            raise RuntimeError(f"{name}.{attribute} is still on the meta device after loading from rank 0")

@@ -88,13 +88,30 @@ def load_base_model(
     trust_remote_code: bool = False,
     quantization: QuantizationConfig | None = None,
     attn_implementation: AttnImplementation = "auto",
+    meta: bool = False,
 ) -> nn.Module:
     """Load a causal LM from a bundled name, a local folder or a hub id.
 
     With 4-bit ``quantization`` the linear layers of the decoder become frozen bitsandbytes
     ``Linear4bit`` layers and every other weight (embeddings, norms) is kept in ``compute_dtype``.
+    With ``meta`` only its skeleton is built (no weights read, no memory), for a rank that receives
+    its shards from rank 0 (:func:`lit_instruct.fsdp.receive_from_rank_zero`).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if meta:
+        if quantization is not None and quantization.method != "none":
+            raise ValueError(
+                "a 4-bit base cannot be built on the meta device (it is quantized from its weights)"
+            )
+        config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation != "auto" else {}
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(
+                config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **extra
+            )
+        skeleton.config.use_cache = False
+        return skeleton
 
     kwargs: dict = {}
     if quantization is not None and quantization.method != "none":

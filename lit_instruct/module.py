@@ -18,7 +18,13 @@ from lit_instruct.callbacks.fit_report import FitReport
 from lit_instruct.callbacks.rng_states import RestoreRNGStates
 from lit_instruct.callbacks.throughput import TokensPerSecond
 from lit_instruct.export import save_adapter
-from lit_instruct.fsdp import full_tensor, gathered_trainable_state, shard_model
+from lit_instruct.fsdp import (
+    fill_from_rank_zero,
+    full_tensor,
+    gathered_trainable_state,
+    launched_rank,
+    shard_model,
+)
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.model import (
     AttnImplementation,
@@ -81,6 +87,10 @@ class InstructLoRAModule(L.LightningModule):
         packing: build the model for packed rows (``data.packing``; the CLI links the two): its
             attention runs sample by sample, after a check at build time that a packed row gives
             what its samples give alone (:func:`lit_instruct.packing.enable_packing`).
+        low_memory_load: with ``fused_ce_fsdp``, only rank 0 reads the base's weights; the other
+            ranks build it on the meta device and receive their shards from rank 0 when it is
+            sharded, so no other rank ever holds the whole base (a 4-bit base still loads on every
+            rank: it is quantized from its weights).
     """
 
     def __init__(
@@ -100,6 +110,7 @@ class InstructLoRAModule(L.LightningModule):
         compile_layers: bool = False,
         attn_implementation: AttnImplementation = "auto",
         packing: bool = False,
+        low_memory_load: bool = False,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
@@ -109,11 +120,15 @@ class InstructLoRAModule(L.LightningModule):
         self.save_hyperparameters(ignore=["lora", "quantization"])
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
-        base = load_base_model(model, dtype, trust_remote_code, self.quantization, attn_implementation)
+        on_meta = low_memory_load and self.quantization.method == "none" and launched_rank() > 0
+        base = load_base_model(
+            model, dtype, trust_remote_code, self.quantization, attn_implementation, on_meta
+        )
+        self.built_on_meta = on_meta
         if packing:
-            enable_packing(base)
+            enable_packing(base, check=not on_meta)  # rank 0 checks the same model with its weights
         self.packing = packing
-        self.logit_transform = output_head(base).transform
+        self.logit_transform = output_head(base, verify=not on_meta).transform  # rank 0 verifies it
         self.router_aux_loss = RouterAuxLoss.of(base)
         self.model = attach_lora(base, self.lora_config)
         self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
@@ -158,9 +173,17 @@ class InstructLoRAModule(L.LightningModule):
         shard the base per decoder layer and at the trunk with FSDP2 (:mod:`lit_instruct.fsdp`).
         Other strategies leave the model as built."""
         mesh = self.device_mesh
-        if mesh is None or self._sharded:
+        if mesh is None:
+            if self.hparams.get("low_memory_load"):
+                raise ValueError("model.low_memory_load needs trainer.strategy: fused_ce_fsdp")
             return
+        if self._sharded:
+            return
+        low_memory = bool(self.hparams.get("low_memory_load"))
+        full = dict(self.model.state_dict()) if low_memory and self.global_rank == 0 else None  # whole
         shard_model(self.base_model, mesh["data_parallel"] if mesh.mesh_dim_names else mesh)
+        if low_memory:
+            fill_from_rank_zero(self.model, full, self.device)
         self._sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:

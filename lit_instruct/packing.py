@@ -213,7 +213,7 @@ def attention_implementation(model: Any) -> str:
 
 
 @torch.no_grad()
-def enable_packing(model: Any, lengths: Sequence[int] = (5, 3)) -> None:
+def enable_packing(model: Any, lengths: Sequence[int] = (5, 3), check: bool = True) -> None:
     """Switch ``model`` to the packing-aware wrapper of its attention, after checking on a few
     tokens (eval mode) that a packed row gives the hidden states of its samples run alone through
     the model's own attention, so that nothing but attention mixes tokens across samples.
@@ -232,6 +232,9 @@ def enable_packing(model: Any, lengths: Sequence[int] = (5, 3)) -> None:
         raise UnsupportedModelError(
             f"data.packing needs model.attn_implementation sdpa or eager, not {own!r}"
         )
+    if not check:  # a weightless (meta) copy of a model checked elsewhere
+        model.set_attn_implementation(PACKED_ATTENTION[own])
+        return
     decoder = model.get_decoder()
     device = next(model.parameters()).device
     segments = (0, *itertools.accumulate(lengths))

@@ -2,9 +2,9 @@
 
     python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
 
-Optional: ``strategy`` (default ``ddp``), ``quantization``, ``streaming``, ``ckpt_every`` (a
-ModelCheckpoint every N steps into ``out``), ``stop_after``
-(end the fit after N steps, as if killed: the schedule still spans ``max_steps``), ``ckpt_path``.
+Optional: ``strategy`` (default ``ddp``), ``quantization``, ``low_memory_load``, ``streaming``,
+``ckpt_every`` (a ModelCheckpoint every N steps into ``out``), ``stop_after`` (end the fit after N
+steps, as if killed: the schedule still spans ``max_steps``), ``ckpt_path``.
 
 Lightning's ``ddp`` launcher starts rank 1 by running this script again. Rank 0 writes
 ``<out>/last.ckpt``; each rank writes ``<out>/rank<r>.pt``: its LoRA weights and logged
@@ -42,6 +42,7 @@ def main(args: dict) -> None:
         inf_grad_at=tuple(args.get("inf_grad_at", ())),
         fault_rank=args.get("fault_rank"),
         quantization=args.get("quantization"),
+        low_memory_load=args.get("low_memory_load", False),
     )
     batch_size = args.get("batch_size", 1)
     data = InstructDataModule(
@@ -79,6 +80,7 @@ def main(args: dict) -> None:
     trainer.save_checkpoint(out / "last.ckpt")  # collective: every rank's RNG states go in
     frozen = {id(p): p for p in module.parameters() if not p.requires_grad}.values()  # tied: once
     result = {
+        "built_on_meta": module.built_on_meta,
         "base_bytes": sum(local_tensor(p).nbytes for p in frozen),  # this rank's share
         "base_bytes_whole": sum(p.numel() * p.element_size() for p in frozen),
         "weights_per_step": [weights for weights, _, _ in recorder.states],

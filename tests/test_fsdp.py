@@ -29,11 +29,17 @@ def varied_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_fsdp_with_the_fused_loss_equals_one_process(tiny_model_dir, varied_file, tmp_path) -> None:
+@pytest.mark.parametrize("low_memory_load", [False, True])
+def test_fsdp_with_the_fused_loss_equals_one_process(
+    tiny_model_dir, varied_file, tmp_path, low_memory_load
+) -> None:
+    """With ``low_memory_load`` rank 1 builds the base on the meta device and gets its shards (and the
+    LoRA initialisation) from rank 0: the same training."""
     steps, accumulate = 3, 2
     args = {"model": str(tiny_model_dir), "data": str(varied_file), "out": str(tmp_path / "fsdp")}
     args.update(max_steps=steps, batch_size=1, accumulate_grad_batches=accumulate, strategy="fused_ce_fsdp")
-    ranks = run_ddp_fit(args)
+    ranks = run_ddp_fit({**args, "low_memory_load": low_memory_load})
+    assert [rank["built_on_meta"] for rank in ranks] == [False, low_memory_load]
 
     module, data = make(tiny_model_dir, varied_file, batch_size=2)  # the same global batches, one process
     recorder = Recorder()
@@ -125,3 +131,10 @@ def test_qlora_under_fsdp_shards_the_4bit_base_and_trains_like_one_process(
         )
         assert 0.45 < rank["base_bytes"] / rank["base_bytes_whole"] < 0.6
     assert recorder.losses[-1] < recorder.losses[0]
+
+
+def test_low_memory_load_needs_the_sharding_strategy(tiny_model_dir, chat_file, tmp_path) -> None:
+    module, data = make(tiny_model_dir, chat_file, low_memory_load=True)
+    assert not module.built_on_meta  # rank 0 (no launcher here) always reads the weights
+    with pytest.raises(ValueError, match=r"model\.low_memory_load needs trainer\.strategy: fused_ce_fsdp"):
+        trainer(tmp_path).fit(module, datamodule=data)
