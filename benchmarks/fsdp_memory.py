@@ -86,7 +86,11 @@ def worker(args: dict) -> None:
     L.seed_everything(0)
     quantization = {"method": "nf4", "compute_dtype": "float32"} if args["nf4"] else None
     module = InstructLoRAModule(
-        model=args["model"], lora=LoRAConfig(r=16, alpha=32), quantization=quantization, warmup_steps=0
+        model=args["model"],
+        lora=LoRAConfig(r=16, alpha=32),
+        quantization=quantization,
+        warmup_steps=0,
+        low_memory_load=args.get("low_memory_load", False),
     )
     data = InstructDataModule(tokenizer=args["model"], train_files=[args["data"]], batch_size=1, cache=False)
     losses = Losses()
@@ -153,15 +157,23 @@ def main() -> None:
                 if len(ranks) > 1
                 else None
             )
-            rows.append((("NF4 " if nf4 else "fp32 ") + label, r, r["base_mib"] / ddp_base, diff))
-    columns = ["base, setup", "base MiB per rank", "x DDP", "RSS after fit MiB", "peak RSS MiB", "losses"]
+            peaks = " / ".join(f"{rank['peak_rss_mib']:.0f}" for rank in ranks)
+            rows.append((("NF4 " if nf4 else "fp32 ") + label, r, r["base_mib"] / ddp_base, diff, peaks))
+    columns = [
+        "base, setup",
+        "base MiB per rank",
+        "x DDP",
+        "RSS after fit MiB",
+        "peak RSS MiB (rank 0 / 1)",
+        "losses",
+    ]
     print("| " + " | ".join([*columns, "max diff vs DDP"]) + " |")
     print("|---|---:|---:|---:|---:|---|---:|")
-    for label, r, ratio, diff in rows:
+    for label, r, ratio, diff, peaks in rows:
         losses = ", ".join(f"{x:.5f}" for x in r["losses"])
         shown = "" if diff is None else f"{diff:.1e}"
         print(
-            f"| {label} | {r['base_mib']:.0f} | {ratio:.2f} | {r['rss_mib']:.0f} | {r['peak_rss_mib']:.0f} | "
+            f"| {label} | {r['base_mib']:.0f} | {ratio:.2f} | {r['rss_mib']:.0f} | {peaks} | "
             f"{losses} | {shown} |"
         )
 
