@@ -16,6 +16,7 @@ import json
 import resource
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from workers import run_worker
@@ -121,10 +122,16 @@ def worker(args: dict) -> None:
 
 
 def measure(
-    model: Path, data: Path, out: Path, devices: int, strategy: str, nf4: bool, steps: int
+    out: Path, devices: int, strategy: str, nf4: bool, low_memory: bool = False, **paths: Any
 ) -> list[dict]:
-    args = {"model": str(model), "data": str(data), "out": str(out), "devices": devices}
-    args.update(strategy=strategy, nf4=nf4, steps=steps)
+    """Run one configuration (``paths``: model, data, steps) and return every rank's report."""
+    args = {
+        "model": str(paths["model"]),
+        "data": str(paths["data"]),
+        "steps": paths["steps"],
+        "out": str(out),
+    }
+    args.update(devices=devices, strategy=strategy, nf4=nf4, low_memory_load=low_memory)
     out.mkdir(parents=True, exist_ok=True)
     run_worker(__file__, json.dumps(args))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
@@ -140,14 +147,16 @@ def main() -> None:
     model = build_model(args.dir / "model")
     data = write_data(args.dir / "data.jsonl")
     rows = []
+    common = {"model": model, "data": data, "steps": args.steps}
     for nf4 in (False, True):
         runs = {
-            "1 process": measure(model, data, args.dir / f"one-{nf4}", 1, "auto", nf4, args.steps),
-            "2-process DDP": measure(model, data, args.dir / f"ddp-{nf4}", 2, "ddp", nf4, args.steps),
-            "2-process FSDP": measure(
-                model, data, args.dir / f"fsdp-{nf4}", 2, "fused_ce_fsdp", nf4, args.steps
-            ),
+            "1 process": measure(args.dir / f"one-{nf4}", 1, "auto", nf4, **common),
+            "2-process DDP": measure(args.dir / f"ddp-{nf4}", 2, "ddp", nf4, **common),
+            "2-process FSDP": measure(args.dir / f"fsdp-{nf4}", 2, "fused_ce_fsdp", nf4, **common),
         }
+        if not nf4:  # a 4-bit base is quantized from its weights on every rank
+            low = measure(args.dir / "fsdp-low", 2, "fused_ce_fsdp", nf4, low_memory=True, **common)
+            runs["2-process FSDP, low_memory_load"] = low
         ddp_base = runs["2-process DDP"][0]["base_mib"]
         ddp_losses = runs["2-process DDP"][0]["losses"]
         for label, ranks in runs.items():

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DataSource": "lit_instruct.data.sources",
     "FusedCEDDPStrategy": "lit_instruct.strategy",
+    "FusedCEFSDPStrategy": "lit_instruct.strategy",
     "FusedCESingleDeviceStrategy": "lit_instruct.strategy",
     "FusedLinearCrossEntropy": "lit_instruct.loss.fused",
     "InstructDataModule": "lit_instruct.data.datamodule",
@@ -22,7 +24,9 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "DataSource",
     "FusedCEDDPStrategy",
+    "FusedCEFSDPStrategy",
     "FusedCESingleDeviceStrategy",
     "FusedLinearCrossEntropy",
     "InstructDataModule",
@@ -34,10 +38,11 @@ __all__ = [
 
 if TYPE_CHECKING:
     from lit_instruct.data.datamodule import InstructDataModule
+    from lit_instruct.data.sources import DataSource
     from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
     from lit_instruct.model import LoRAConfig
     from lit_instruct.module import InstructLoRAModule
-    from lit_instruct.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
+    from lit_instruct.strategy import FusedCEDDPStrategy, FusedCEFSDPStrategy, FusedCESingleDeviceStrategy
 
 
 def __getattr__(name: str) -> Any:

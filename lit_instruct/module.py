@@ -170,8 +170,9 @@ class InstructLoRAModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Under a strategy with a device mesh (``fused_ce_fsdp``, Lightning's ``ModelParallelStrategy``):
-        shard the base per decoder layer and at the trunk with FSDP2 (:mod:`lit_instruct.fsdp`).
-        Other strategies leave the model as built."""
+        shard the base per decoder layer, at the trunk and at the lm_head with FSDP2
+        (:mod:`lit_instruct.fsdp`); with ``low_memory_load``, fill the shards from rank 0. Other
+        strategies leave the model as built."""
         mesh = self.device_mesh
         if mesh is None:
             if self.hparams.get("low_memory_load"):
