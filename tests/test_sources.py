@@ -313,3 +313,22 @@ def test_sources_with_the_same_name_are_refused_shorthand_files_renamed(tiny_mod
         ValueError, match=r"several training sources are named \['train'\]: give each a distinct name"
     ):
         data.setup("fit")
+
+
+def test_a_held_out_part_named_like_a_validation_file_gets_its_own_name(tiny_model_dir, tmp_path) -> None:
+    (tmp_path / "val").mkdir()
+    train = write_jsonl(tmp_path / "train.jsonl", qa_rows("t", 10))
+    val = write_jsonl(tmp_path / "val" / "train.jsonl", qa_rows("v", 4))  # also named "train"
+    data = InstructDataModule(
+        tokenizer=str(tiny_model_dir),
+        sources=[DataSource(str(train), val_fraction=0.3)],
+        val_files=[str(val)],
+        cache=False,
+    )
+    data.setup("fit")
+    store = data.val_samples
+    assert store.counts_by_source() == {"train": 4, "train-held-out": 3}
+    loaders = data.val_dataloader()
+    texts = [[data.tokenizer.decode(ids) for ids in next(iter(loader))["input_ids"]] for loader in loaders]
+    assert all("v answer" in t for t in texts[0]) and all("t answer" in t for t in texts[1])
+    assert [next(iter(loader))["source"] for loader in loaders] == ["train", "train-held-out"]

@@ -183,16 +183,19 @@ def prepare(
             fraction = 0.0
         train_records[i], kept_out = hold_out(train_records[i], fraction, settings.split_seed)
         held_out.append(kept_out)
+    val_parts = list(val_sources)  # the source each validation part is rendered as
     if not val_sources:  # held-out parts are the validation sources, under the same names
-        val_records, val_names = held_out, names
-    else:
-        val_records += [r for r in held_out if r]
-        val_names += [n for n, r in zip(names, held_out, strict=True) if r]
+        val_records, val_names, val_parts = held_out, names, list(train_sources)
+    for source, records in zip(train_sources, held_out, strict=True):
+        if val_sources and records:  # a source's own held-out part next to the validation files
+            name = source.name or ""
+            val_records.append(records)
+            val_names.append(name if name not in val_names else f"{name}-held-out")
+            val_parts.append(source)
     templates = TemplateRenderers(tokenizer, settings)
     train_settings = templates.settings(train_sources, vocab_size)
     train, train_counts, train_rejects = tokenize(train_records, train_settings, names, num_proc)
-    val_of = {s.name: s for s in [*val_sources, *train_sources]}
-    val_settings = templates.settings([val_of[n] for n in val_names], vocab_size)
+    val_settings = templates.settings(val_parts, vocab_size)
     val, val_counts, val_rejects = tokenize(val_records, val_settings, val_names, num_proc)
     for split, names_, split_counts in (("train", names, train_counts), ("val", val_names, val_counts)):
         for name, source_counts in zip(names_, split_counts, strict=True):
