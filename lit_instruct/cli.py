@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -159,21 +157,10 @@ def export_main(argv: list[str]) -> None:
     if args.gguf:
         from lit_instruct.gguf_export import export_gguf
 
-        out = export_gguf(args.adapter, args.out, args.quant, args.base, args.tokenizer_pre)
+        out = export_gguf(args.adapter, args.out, args.quant, args.base, args.tokenizer_pre, args.ollama)
         sys.stdout.write(f"GGUF ({args.quant}) written to {out}\n")
         if args.ollama:
-            from transformers import AutoTokenizer
-
-            from lit_instruct.model import resolve_model_path
-            from lit_instruct.ollama import write_modelfile
-
-            base = (
-                args.base
-                or json.loads((Path(args.adapter) / "adapter_config.json").read_text())[
-                    "base_model_name_or_path"
-                ]
-            )
-            modelfile = write_modelfile(out, AutoTokenizer.from_pretrained(resolve_model_path(base)))
+            modelfile = out.with_name("Modelfile")
             sys.stdout.write(f"Modelfile written to {modelfile}: ollama create NAME -f {modelfile}\n")
         return
     if args.ollama:
@@ -219,7 +206,7 @@ def generate_main(argv: list[str]) -> None:
 
 def eval_main(argv: list[str]) -> None:
     """``lit-instruct eval``: token-weighted loss and perplexity of an adapter on held-out files."""
-    from lit_instruct.evaluate import evaluate, write_answers
+    from lit_instruct.evaluate import evaluate, load_adapter_module, write_answers
 
     parser = argparse.ArgumentParser(prog="lit-instruct eval", description=eval_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")
@@ -232,9 +219,8 @@ def eval_main(argv: list[str]) -> None:
     parser.add_argument("--answers", help="write each record's prompt, reference and answer to this JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
-    results = evaluate(
-        args.adapter, args.data, args.model, args.base, args.max_seq_len, args.batch_size, args.chat_template
-    )
+    module = load_adapter_module(args.adapter, args.model)  # once, for the numbers and the answers
+    results = evaluate(module, args.data, args.base, args.max_seq_len, args.batch_size, args.chat_template)
     names = sorted({k for metrics in results.values() for k in metrics if k.startswith("val/loss")})
     sys.stdout.write(f"{'':<10}" + "".join(f"{n:>22}" for n in [*names, "val/ppl", "val/tokens"]) + "\n")
     for label, metrics in results.items():
@@ -242,9 +228,7 @@ def eval_main(argv: list[str]) -> None:
         row = "".join(f"{v:>22.4f}" for v in values) + f"{int(metrics['val/tokens']):>22d}"
         sys.stdout.write(f"{label:<10}{row}\n")
     if args.answers:
-        out = write_answers(
-            args.adapter, args.data, args.answers, args.model, args.max_new_tokens, args.chat_template
-        )
+        out = write_answers(module, args.data, args.answers, args.max_new_tokens, args.chat_template)
         sys.stdout.write(f"answers written to {out}\n")
 
 

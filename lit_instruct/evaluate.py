@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_instruct.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lit_instruct.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base
 
 
 def load_adapter_module(adapter: str | Path, base: str | None = None) -> Any:
@@ -26,14 +26,14 @@ def load_adapter_module(adapter: str | Path, base: str | None = None) -> Any:
     from lit_instruct.module import InstructLoRAModule
 
     adapter = Path(adapter)
-    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())  # the LoRA layout
     lora = LoRAConfig(
         r=config["r"],
         alpha=config["lora_alpha"],
         target_modules=sorted(config["target_modules"]),
         use_rslora=config.get("use_rslora", False),
     )
-    module = InstructLoRAModule(model=base or config["base_model_name_or_path"], lora=lora)
+    module = InstructLoRAModule(model=adapter_base(adapter, base), lora=lora)
     result: Any = set_peft_model_state_dict(module.model, load_file(adapter / ADAPTER_WEIGHTS))
     missing = [k for k in result.missing_keys if "lora_" in k]
     unexpected = list(result.unexpected_keys)
@@ -45,21 +45,20 @@ def load_adapter_module(adapter: str | Path, base: str | None = None) -> Any:
 
 
 def evaluate(
-    adapter: str | Path,
+    module: Any,
     data: Sequence[str],
-    base: str | None = None,
     with_base: bool = False,
     max_seq_len: int = 512,
     batch_size: int = 8,
     chat_template: str | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Validation metrics of the adapter (``"adapter"``) and, with ``with_base``, of its base
-    (``"base"``) on ``data``: ``val/loss``, ``val/ppl``, ``val/tokens`` and ``val/loss/<file>``."""
+    """Validation metrics of ``module`` (:func:`load_adapter_module`) as ``"adapter"`` and, with
+    ``with_base``, of its base (``"base"``) on ``data``: ``val/loss``, ``val/ppl``, ``val/tokens`` and
+    ``val/loss/<file>``."""
     import lightning as L
 
     from lit_instruct.data.datamodule import InstructDataModule
 
-    module = load_adapter_module(adapter, base)
     datamodule = InstructDataModule(
         tokenizer=module.hparams["model"],
         val_files=list(data),
@@ -88,22 +87,20 @@ def evaluate(
 
 
 def write_answers(
-    adapter: str | Path,
+    module: Any,
     data: Sequence[str],
     out: str | Path,
-    base: str | None = None,
     max_new_tokens: int = 256,
     chat_template: str | None = None,
 ) -> Path:
     """For each record of ``data``: its conversation up to the last answer, the reference answer and
-    the adapter's greedy answer, one JSON line each."""
+    the greedy answer of ``module`` (:func:`load_adapter_module`), one JSON line each."""
     from transformers import AutoTokenizer
 
     from lit_instruct.data.sources import read_source
     from lit_instruct.generate import generate
     from lit_instruct.model import resolve_model_path
 
-    module = load_adapter_module(adapter, base)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(module.hparams["model"]))
     lines = []
     for path in data:

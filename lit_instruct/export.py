@@ -73,25 +73,35 @@ def export_adapter(adapter: str | Path, out: str | Path) -> Path:
     return Path(out)
 
 
-def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
-    """Merge ``adapter`` into a full-precision copy of its base and save a standalone model.
+def adapter_base(adapter: str | Path, base: str | None = None) -> str:
+    """The base model of ``adapter``: ``base`` when given, else its recorded ``base_model_name_or_path``."""
+    return base or json.loads((Path(adapter) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
 
-    The output (safetensors, config, tokenizer and chat template) loads with
-    ``AutoModelForCausalLM.from_pretrained(out)``; an adapter trained on an NF4 base merges into the
-    fp32 base weights. ``base`` overrides the adapter's recorded ``base_model_name_or_path``.
-    """
+
+def merged_model(adapter: str | Path, base: str | None = None) -> tuple[Any, Any]:
+    """``adapter`` merged into a full-precision (fp32) copy of its base, both checked finite, and the
+    base's tokenizer; an adapter trained on an NF4 base merges into the fp32 base weights."""
     from peft import PeftModel
     from transformers import AutoTokenizer
 
     from lit_instruct.model import load_base_model, resolve_model_path
 
-    adapter = Path(adapter)
-    base = base or json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    adapter, base = Path(adapter), adapter_base(adapter, base)
     check_finite(load_file(adapter / ADAPTER_WEIGHTS), str(adapter / ADAPTER_WEIGHTS))
     model = PeftModel.from_pretrained(load_base_model(base, "float32"), adapter).merge_and_unload()
-    check_finite(dict(model.state_dict()), f"merged model for {out}")
+    check_finite(dict(model.state_dict()), f"the merge of {adapter}")
+    return model, AutoTokenizer.from_pretrained(resolve_model_path(base))
+
+
+def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
+    """Merge ``adapter`` into a full-precision copy of its base and save a standalone model.
+
+    The output (safetensors, config, tokenizer and chat template) loads with
+    ``AutoModelForCausalLM.from_pretrained(out)``. ``base`` overrides the adapter's recorded
+    ``base_model_name_or_path``.
+    """
+    model, tokenizer = merged_model(adapter, base)
     model.config.use_cache = True
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(base))
     with atomic_directory(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)

@@ -203,17 +203,18 @@ def export_gguf(
     quant: str = "f16",
     base: str | None = None,
     tokenizer_pre: str | None = None,
+    ollama: bool = False,
 ) -> Path:
-    """Merge ``adapter`` into its full-precision base and write the GGUF file ``out``."""
-    from peft import PeftModel
-    from transformers import AutoTokenizer
+    """Merge ``adapter`` into its full-precision base and write the GGUF file ``out``; with ``ollama``
+    also a ``Modelfile`` beside it (:func:`lit_instruct.ollama.write_modelfile`)."""
+    from lit_instruct.export import merged_model
+    from lit_instruct.ollama import ollama_format, write_modelfile
 
-    from lit_instruct.export import ADAPTER_CONFIG
-    from lit_instruct.model import load_base_model, resolve_model_path
-
-    adapter = Path(adapter)
-    base = base or json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-    model = PeftModel.from_pretrained(load_base_model(base, "float32"), adapter).merge_and_unload()
-    _check_supported(model.config)  # before any work on the tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(base))
-    return write_gguf(model, tokenizer, out, quant, tokenizer_pre=tokenizer_pre, name=adapter.name)
+    model, tokenizer = merged_model(adapter, base)
+    _check_supported(model.config)  # refusals before any writing
+    if ollama:
+        ollama_format(tokenizer)
+    written = write_gguf(model, tokenizer, out, quant, tokenizer_pre=tokenizer_pre, name=Path(adapter).name)
+    if ollama:
+        write_modelfile(written, tokenizer)
+    return written

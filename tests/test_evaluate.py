@@ -18,9 +18,10 @@ def test_eval_numbers_equal_validation_for_the_same_data(tiny_model_dir, chat_fi
     adapter = tmp_path / "adapter"
     (expected,) = trainer(tmp_path).validate(module, datamodule=data, verbose=False)  # val_files = chat_file
 
-    from lit_instruct.evaluate import evaluate, write_answers
+    from lit_instruct.evaluate import evaluate, load_adapter_module, write_answers
 
-    results = evaluate(adapter, [str(chat_file)], base=str(tiny_model_dir), with_base=True)
+    loaded = load_adapter_module(adapter, str(tiny_model_dir))
+    results = evaluate(loaded, [str(chat_file)], with_base=True)
     for name in ("val/loss", "val/ppl", "val/tokens"):
         torch.testing.assert_close(results["adapter"][name], float(expected[name]), rtol=1e-5, atol=1e-6)
     base_module, _ = make(tiny_model_dir, chat_file)  # fresh LoRA: B = 0, the base model's outputs
@@ -28,7 +29,7 @@ def test_eval_numbers_equal_validation_for_the_same_data(tiny_model_dir, chat_fi
     torch.testing.assert_close(results["base"]["val/loss"], float(base["val/loss"]), rtol=1e-5, atol=1e-6)
     assert results["adapter"]["val/loss"] < results["base"]["val/loss"]
 
-    out = write_answers(adapter, [str(chat_file)], tmp_path / "answers.jsonl", str(tiny_model_dir), 3)
+    out = write_answers(loaded, [str(chat_file)], tmp_path / "answers.jsonl", 3)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == len(chat_file.read_text().splitlines())
     assert rows[0]["source"] == f"{chat_file}:1" and rows[0]["messages"][-1]["role"] == "user"

@@ -240,6 +240,17 @@ def chatterbot_categories(source: DataSource) -> list[str] | None:
     return None if names in (["all"], [""]) else names
 
 
+def parse(raw: RawRecord, source: DataSource) -> Record:
+    """The record ``raw`` holds, read with ``source``'s format and column mapping.
+
+    Raises:
+        DataError: why it could not be read, or what is wrong with it.
+    """
+    if raw.error is not None:
+        raise raw.error
+    return to_record(raw.value, raw.source, source.format, source.columns)
+
+
 def read_source(
     source: DataSource | str | Path,
     on_bad: Callable[[RawRecord, DataError], None] | None = None,
@@ -260,9 +271,7 @@ def read_source(
     records = []
     for raw in iter_source(source):
         try:
-            if raw.error is not None:
-                raise raw.error
-            records.append(to_record(raw.value, raw.source, source.format, source.columns))
+            records.append(parse(raw, source))
         except DataError as error:
             if on_bad is None:
                 raise

@@ -21,9 +21,9 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from lit_instruct.data.records import DataError, Record, to_record
+from lit_instruct.data.records import DataError, Record
 from lit_instruct.data.render import Sample
-from lit_instruct.data.sources import DataSource, iter_source
+from lit_instruct.data.sources import DataSource, iter_source, parse
 from lit_instruct.data.tokenize import TokenizeSettings
 from lit_instruct.data.validation import Rejects, build_samples
 
@@ -78,9 +78,7 @@ class SampleStream(IterableDataset):
                 if (index - 1) % self.world_size != self.rank:
                     continue
                 try:
-                    if raw.error is not None:
-                        raise raw.error
-                    yield number, to_record(raw.value, raw.source, source.format, source.columns)
+                    yield number, parse(raw, source)
                 except DataError as error:
                     if epoch == 0:
                         self.rejects.handle(error, raw.text, self.counts)
