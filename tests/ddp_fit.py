@@ -3,6 +3,7 @@
     python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
 
 Optional: ``strategy`` (default ``ddp``), ``quantization``, ``low_memory_load``, ``streaming``,
+``on_bad_record`` (rejects go to ``<out>/rejects.jsonl``),
 ``ckpt_every`` (a ModelCheckpoint every N steps into ``out``), ``stop_after`` (end the fit after N
 steps, as if killed: the schedule still spans ``max_steps``), ``ckpt_path``.
 
@@ -51,6 +52,8 @@ def main(args: dict) -> None:
         batch_size=batch_size,
         streaming=args.get("streaming", False),
         shuffle_buffer=3,
+        on_bad_record=args.get("on_bad_record", "raise"),
+        rejects_file=str(Path(args["out"]) / "rejects.jsonl"),
     )
     checkpoints = (
         [ModelCheckpoint(dirpath=args["out"], every_n_train_steps=args["ckpt_every"])]

@@ -174,3 +174,19 @@ def test_two_ranks_resume_their_own_stream_positions_exactly(tiny_model_dir, cor
         torch.testing.assert_close(
             torch.tensor(resumed[rank]["losses"]), torch.tensor(full[rank]["losses"][3:]), atol=1e-6, rtol=0
         )
+
+
+@pytest.mark.slow
+def test_every_ranks_streamed_rejects_reach_the_rejects_file(tiny_model_dir, corpus, tmp_path) -> None:
+    """Each rank reads its own records: the bad ones of both ranks are listed (by rank 0)."""
+    from tests.ddp_fit import run_ddp_fit
+
+    lines = (corpus / "b.jsonl").read_text().splitlines()
+    lines[2] = '{"prompt": "Bad?", "completion": " "}'  # record 3: rank 0's
+    lines[3] = '{"prompt": "Bad too?", "completion": " "}'  # record 4: rank 1's
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    args = {"model": str(tiny_model_dir), "data": str(data), "out": str(tmp_path / "out"), "max_steps": 2}
+    run_ddp_fit({**args, "streaming": True, "batch_size": 2, "on_bad_record": "skip"})
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(row["source"] for row in rows) == [f"{data}:3", f"{data}:4"]

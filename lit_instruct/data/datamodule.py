@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,11 @@ from lit_instruct.data.store import SampleStore
 from lit_instruct.data.stream import START, Position, SampleStream, StreamCollator
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 from lit_instruct.rng import gather_objects
+
+
+def key_values(items: Iterable[tuple[str, int]]) -> str:
+    """``a=1, b=2``: how counts are reported."""
+    return ", ".join(f"{key}={value}" for key, value in items)
 
 
 def unique_names(sources: list[DataSource], taken: list[DataSource]) -> list[DataSource]:
@@ -237,23 +243,13 @@ class InstructDataModule(L.LightningDataModule):
         prepared = self.prepared
         for split, store in (("train", prepared.train), ("val", prepared.val)):
             counts = prepared.totals(split)
-            rank_zero_info(
-                f"lit-instruct data [{split}]: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
-            )
+            rank_zero_info(f"lit-instruct data [{split}]: {key_values(sorted(counts.items()))}")
             if len(store.names) > 1:
-                rank_zero_info(
-                    f"lit-instruct data [{split}] "
-                    + ", ".join(f"{n}={c}" for n, c in store.counts_by_source().items())
-                )
+                rank_zero_info(f"lit-instruct data [{split}] {key_values(store.counts_by_source().items())}")
         if prepared.folder is not None:
             how = "memory-mapped from" if prepared.cached else "tokenized into"
             rank_zero_info(f"lit-instruct data: samples {how} the cache {prepared.folder}")
-        rejects = self.rejects_path()  # on every rank: the log directory is a collective
-        if prepared.rejects and (self.trainer is None or self.trainer.is_global_zero):
-            Rejects(rows=prepared.rejects).write(rejects)
-            rank_zero_info(
-                f"lit-instruct data: {len(prepared.rejects)} bad records skipped, listed in {rejects}"
-            )
+        self._write_rejects(prepared.rejects)  # the same on every rank: each prepared the same data
         if self.streaming:
             rank_zero_info("lit-instruct data [train]: streamed (read and rendered while training)")
         elif not len(prepared.train) and stage in ("fit", None):
@@ -330,14 +326,19 @@ class InstructDataModule(L.LightningDataModule):
     def teardown(self, stage: str) -> None:
         """Report what the stream read and skipped, and write its rejected records."""
         stream = self.stream
-        if stream is None or not stream.counts:
+        if stream is None:  # the same on every rank: the collectives below stay in step
             return
-        rank_zero_info(
-            "lit-instruct data [train, streamed]: "
-            + ", ".join(f"{k}={v}" for k, v in sorted(stream.counts.items()))
-        )
-        if stream.rejects.rows and (self.trainer is None or self.trainer.is_global_zero):
-            stream.rejects.write(self.rejects_path())
+        rank_zero_info(f"lit-instruct data [train, streamed]: {key_values(sorted(stream.counts.items()))}")
+        ranks = gather_objects(stream.rejects.rows)  # each rank read its own records
+        self._write_rejects([row for rows in ranks for row in rows])
+
+    def _write_rejects(self, rows: list[dict[str, Any]]) -> None:
+        """Write skipped records to the rejects file on rank 0 (every rank calls it: finding the
+        log directory is a collective)."""
+        path = self.rejects_path()
+        if rows and (self.trainer is None or self.trainer.is_global_zero):
+            Rejects(rows=rows).write(path)
+            rank_zero_info(f"lit-instruct data: {len(rows)} bad records skipped, listed in {path}")
 
     def _sampled_loader(self) -> DataLoader:
         """Batches of :class:`InstructSampler`'s order, built in the main process.
