@@ -20,13 +20,11 @@ from lit_instruct.data.render import resolve_chat_template
 
 @dataclass(frozen=True)
 class OllamaFormat:
-    """A chat format: how to recognise it, its Go template, its per-turn Python rendering (the
-    Go template's meaning, to check it against the Jinja one) and its stop marker."""
+    """A chat format: a marker that recognises its Jinja template, its Go template (built from one
+    range over ``.Messages``, see :func:`fill`) and its stop marker."""
 
     marker: str
     template: str
-    turn: str  # str.format with role, content
-    prompt: str  # the generation prompt
     stop: str
 
 
@@ -35,16 +33,12 @@ FORMATS = {
         marker="<|im_start|>",
         template="{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
         "<|im_start|>assistant\n",
-        turn="<|im_start|>{role}\n{content}<|im_end|>\n",
-        prompt="<|im_start|>assistant\n",
         stop="<|im_end|>",
     ),
     "llama3": OllamaFormat(
         marker="<|start_header_id|>",
         template="<|begin_of_text|>{{- range .Messages }}<|start_header_id|>{{ .Role }}<|end_header_id|>\n\n"
         "{{ .Content }}<|eot_id|>{{ end }}<|start_header_id|>assistant<|end_header_id|>\n\n",
-        turn="<|start_header_id|>{role}<|end_header_id|>\n\n{content}<|eot_id|>",
-        prompt="<|start_header_id|>assistant<|end_header_id|>\n\n",
         stop="<|eot_id|>",
     ),
 }
@@ -54,6 +48,15 @@ PROBE = [
     {"role": "assistant", "content": "Hello"},
     {"role": "user", "content": "Bye"},
 ]
+RANGE, END = "{{- range .Messages }}", "{{ end }}"
+
+
+def fill(template: str, messages: list[dict[str, str]]) -> str:
+    """What Ollama renders from one of :data:`FORMATS`' templates for ``messages``."""
+    head, rest = template.split(RANGE)
+    body, tail = rest.split(END)
+    turns = (body.replace("{{ .Role }}", m["role"]).replace("{{ .Content }}", m["content"]) for m in messages)
+    return head + "".join(turns) + tail
 
 
 def _render(tokenizer: Any, template: str, messages: list[dict[str, str]]) -> str:
@@ -73,17 +76,15 @@ def ollama_format(tokenizer: Any, chat_template: str | None = None) -> tuple[Oll
     for name, fmt in FORMATS.items():
         if fmt.marker not in template:
             continue
-        jinja = _render(tokenizer, template, PROBE)
-        start = (tokenizer.bos_token or "") if fmt.template.startswith(tokenizer.bos_token or "\0") else ""
-        ours = start + "".join(fmt.turn.format(**m) for m in PROBE) + fmt.prompt
+        jinja, ours = _render(tokenizer, template, PROBE), fill(fmt.template, PROBE)
         if jinja != ours:
             raise ValueError(
                 f"the chat template looks like {name} but renders differently than Ollama's {name} template "
                 f"would:\n  jinja:  {jinja!r}\n  ollama: {ours!r}\nwrite the Modelfile's TEMPLATE by hand"
             )
-        alone = _render(tokenizer, template, PROBE[1:2]).removeprefix(start)
-        system_turn = fmt.turn.split("{content}")[0].format(role="system")
-        found = re.match(re.escape(system_turn) + r"(.*?)" + re.escape(fmt.stop), alone, re.S)
+        opening = fill(fmt.template, [{"role": "system", "content": "\0"}]).split("\0")[0]
+        alone = _render(tokenizer, template, PROBE[1:2])  # no system turn given: does it add one?
+        found = re.match(re.escape(opening) + r"(.*?)" + re.escape(fmt.stop), alone, re.S)
         return fmt, found.group(1) if found else None
     raise ValueError(
         f"no Ollama template is known for this chat template (known: {sorted(FORMATS)}); write the "
