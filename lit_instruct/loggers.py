@@ -59,9 +59,10 @@ class AutoWandbLogger(WandbLogger):
         if offline is None:
             mode = os.environ.get("WANDB_MODE")
             offline = mode in ("offline", "dryrun") if mode else not wandb_credentials_found()
-            if not offline and not mode and not reachable(wandb_host()):
+            host = wandb_host()
+            if not offline and not mode and not reachable(host):
                 offline = True
-                self._fallback_reason = f"W&B ({wandb_host()}) is unreachable"
+                self._fallback_reason = f"W&B ({host}) is unreachable"
         os.makedirs(save_dir, exist_ok=True)
         super().__init__(offline=offline, project=project, save_dir=save_dir, **kwargs)
 
@@ -83,9 +84,9 @@ class AutoWandbLogger(WandbLogger):
         run = super().experiment
         if self._fallback_reason is not None:
             reason, self._fallback_reason = self._fallback_reason, None
+            folder = run.dir.removesuffix("/files")  # the run folder `wandb sync` takes
             warnings.warn(
-                f"{reason}: logging offline to {run.dir.removesuffix('/files')}; upload it later with "
-                f"`wandb sync {run.dir.removesuffix('/files')}`",
+                f"{reason}: logging offline to {folder}; upload it later with `wandb sync {folder}`",
                 stacklevel=2,
             )
         return run
