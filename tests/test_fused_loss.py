@@ -163,6 +163,39 @@ def test_bias_and_logit_transform_equal_float64_cross_entropy(backend, transform
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "transform", [LogitTransform(), LogitTransform(softcap=1.5)], ids=["plain", "softcap"]
+)
+@pytest.mark.parametrize("chunk", [None, 128])
+def test_chunks_padded_to_a_multiple_of_64_rows_equal_float64_cross_entropy(chunk, transform) -> None:
+    """A ragged chunk (here all 211 counted rows, or the last 83 after a chunk of 128) runs padded with
+    zero rows to a multiple of 64 when the workspace has room: the padding adds nothing to the loss
+    or any gradient (the bias's included)."""
+    hidden, weight, labels = make_case(300, 16, 300, 0.3, torch.float32, seed=5)
+    assert int((labels != IGNORE_INDEX).sum()) % 64
+    bias = torch.randn(300, generator=torch.Generator().manual_seed(6))
+
+    def grads(fn, dtype):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss = fn(*leaves)
+        return [loss, *torch.autograd.grad(loss, leaves)]
+
+    ours = grads(
+        lambda h, w, b: fused_linear_cross_entropy(
+            h, w, labels, bias=b, transform=transform, reduction="sum", chunk_size=chunk, backend="torch"
+        ),
+        torch.float32,
+    )
+    plain = grads(
+        lambda h, w, b: F.cross_entropy(
+            transform(h @ w.T + b), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        ),
+        torch.float64,
+    )
+    for a, b in zip(ours, plain, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("ignore_index", [-1, 7], ids=["negative", "a-vocabulary-id"])
 @pytest.mark.parametrize("implementation", ["reference", "torch", "triton"])
 def test_a_non_default_ignore_index_is_honoured(implementation, ignore_index) -> None:

@@ -1,0 +1,149 @@
+"""Where a training step's time goes: ``torch.profiler`` on the benchmark's own packed batches.
+
+Builds the module as ``benchmarks/vs_trl.py`` does (SmolLM2-135M-Instruct, LoRA r=16 on all linear
+layers, fp32, fused loss, packing), runs ``--warmup`` steps, then profiles ``--steps`` steps (forward,
+backward, gradient rescale + clipping, optimizer) and prints each category's share of the CPU time
+(self time of the ops in it) and the top ops. Module options are ``key=value`` pairs
+(``compile_layers=true``). Every category is on the one (main) thread's ops.
+
+    python benchmarks/step_profile.py                      # the shipped configs/lora.yaml choices
+    python benchmarks/step_profile.py compile_layers=true  # one option set
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from collections import defaultdict
+
+import torch
+
+CATEGORIES = {  # first match wins, on the op name
+    "GEMM": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"),
+    "attention": ("flash_attention", "scaled_dot_product"),
+}
+
+
+def category(name: str) -> str:
+    for which, needles in CATEGORIES.items():
+        if any(needle in name for needle in needles):
+            return which
+    return "other"
+
+
+def packed_batches(count: int, batch: int, seed: int) -> list[dict]:
+    """The benchmark's data (``vs_trl.instruction_records``) through the data module's packing."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+    from vs_trl import MAX_LENGTH, instruction_records
+
+    from lit_instruct import InstructDataModule
+    from lit_instruct.models import prepare_smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "instructions.jsonl"
+        records = instruction_records(count * batch, tokenizer)
+        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+        datamodule = InstructDataModule(
+            train_files=[str(data)],
+            max_seq_len=MAX_LENGTH,
+            batch_size=batch,
+            val_fraction=0.0,
+            deduplicate=False,
+            packing=True,
+            seed=seed,
+        )
+        datamodule.setup("fit")
+        return list(datamodule.train_dataloader())[:count]
+
+
+def parse_options(pairs: list[str]) -> dict:
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        options[key] = json.loads(value)
+    return options
+
+
+def main() -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    parser.add_argument("options", nargs="*", help="InstructLoRAModule options, key=value (JSON values)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument(
+        "--loop-optimizer", action="store_true", help="AdamW's per-tensor loop (torch's CPU default)"
+    )
+    args = parser.parse_args()
+
+    from vs_trl import BATCH, LR, RANK, SEED
+
+    from lit_instruct import InstructLoRAModule, LoRAConfig
+    from lit_instruct.loss.fused import FusedLinearCrossEntropy
+    from lit_instruct.module import adamw
+    from lit_instruct.window import scale_gradients
+
+    torch.manual_seed(SEED)
+    batches = packed_batches(args.warmup + args.steps, BATCH, SEED)
+    lora = LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules=["all-linear"])
+    module = InstructLoRAModule(lora=lora, learning_rate=LR, packing=True, **parse_options(args.options))
+    module.loss_fn = FusedLinearCrossEntropy()
+    params = [p for p in module.parameters() if p.requires_grad]
+    if args.loop_optimizer:
+        optimizer = torch.optim.AdamW(params, lr=LR, foreach=False)
+    else:
+        optimizer = adamw(params, LR, (0.9, 0.999), 0.0)
+    phases: dict[str, float] = defaultdict(float)
+
+    def step(batch: dict) -> None:
+        clock = time.perf_counter()
+        loss_sum, count = module.loss_sum_and_count(batch)
+        phases["forward"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        loss_sum.backward()
+        phases["backward"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        scale_gradients(params, 1.0 / count)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # what Lightning's gradient_clip_val runs
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        phases["optimizer"] += time.perf_counter() - clock
+
+    for batch in batches[: args.warmup]:
+        step(batch)
+    phases.clear()
+    tokens = sum(b["input_ids"].numel() for b in batches[args.warmup :])
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for batch in batches[args.warmup :]:
+            step(batch)
+    seconds = time.perf_counter() - start
+
+    self_us: dict[str, float] = defaultdict(float)
+    for event in profile.key_averages():
+        self_us[event.key] += event.self_cpu_time_total
+    total = sum(self_us.values())
+    shares: dict[str, float] = defaultdict(float)
+    for name, us in self_us.items():
+        shares[category(name)] += us
+    steps = args.steps
+    print(
+        f"options {parse_options(args.options)}: {tokens / seconds:.1f} tokens/s under the profiler, "
+        f"{steps} steps of {tokens / steps:.0f} tokens; peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
+    )
+    print("ms/step: " + ", ".join(f"{k} {v / steps * 1e3:.0f}" for k, v in phases.items()))
+    ranked = sorted(shares.items(), key=lambda kv: -kv[1])
+    print("share of op self time: " + ", ".join(f"{k} {v / total:.1%}" for k, v in ranked))
+    for name, us in sorted(self_us.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"  {us / total:6.1%} {us / 1e3 / steps:8.1f} ms/step  {name}")
+
+
+if __name__ == "__main__":
+    main()
