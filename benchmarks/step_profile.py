@@ -85,6 +85,7 @@ def main() -> None:
     from vs_trl import BATCH, LR, RANK, SEED
 
     from lit_instruct import InstructLoRAModule, LoRAConfig
+    from lit_instruct.cpu_memory import retain_freed_memory
     from lit_instruct.loss.fused import FusedLinearCrossEntropy
     from lit_instruct.module import adamw
     from lit_instruct.window import scale_gradients
@@ -94,6 +95,8 @@ def main() -> None:
     lora = LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules=["all-linear"])
     module = InstructLoRAModule(lora=lora, learning_rate=LR, packing=True, **parse_options(args.options))
     module.loss_fn = FusedLinearCrossEntropy()
+    if module.hparams["retain_freed_memory"]:  # what the module's setup does under a CPU Trainer
+        retain_freed_memory()
     params = [p for p in module.parameters() if p.requires_grad]
     if args.loop_optimizer:
         optimizer = torch.optim.AdamW(params, lr=LR, foreach=False)

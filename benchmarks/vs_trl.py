@@ -9,12 +9,17 @@ for the same number of optimizer steps. Each run is its own process; the runs al
 (their time, which includes ``torch.compile``'s, is reported apart).
 
 The runs (``--runs``; every ratio is against ``trl``):
-  trl         TRL's fastest fp32 settings: bf16 and gradient checkpointing off
-  trl-gc      TRL with its default gradient checkpointing
-  ours-eager  fused CE (``fused_ce``) and padding-free packing (``data.packing``)
-  ours        + ``model.compile_layers`` (the fastest)
-  ours-lean   + ``model.gradient_checkpointing`` (the leanest)
-  ours-bf16   ours-eager under bf16 autocast (``trainer.precision: bf16-mixed``)
+  trl          TRL's fastest fp32 settings: bf16 and gradient checkpointing off
+  trl-gc       TRL with its default gradient checkpointing
+  ours-eager   ``configs/lora.yaml``'s choices: fused CE (``fused_ce``), padding-free packing
+               (``data.packing``), fused LoRA layers and retained memory (the defaults)
+  ours-peft    ours-eager with ``model.fuse_lora`` and ``model.retain_freed_memory`` off (before)
+  ours-fused   ours-peft + ``fuse_lora`` alone
+  ours-retain  ours-peft + ``retain_freed_memory`` alone
+  ours         ours-eager + ``model.compile_layers``
+  ours-gc      ours-eager + ``model.gradient_checkpointing``
+  ours-lean    ours + ``model.gradient_checkpointing``
+  ours-bf16    ours-eager under bf16 autocast (``trainer.precision: bf16-mixed``)
 
     pip install 'lit-instruct[bench]'          # trl, datasets
     python benchmarks/vs_trl.py                # 20 steps, 2 rounds (about 45 min on 2 cores)
@@ -23,6 +28,7 @@ The runs (``--runs``; every ratio is against ``trl``):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import tempfile
@@ -32,9 +38,15 @@ from pathlib import Path
 from workers import run_worker
 
 BATCH, MAX_LENGTH, LR, SEED, RANK = 4, 512, 2e-4, 0, 16
+BEFORE = {"fuse_lora": False, "retain_freed_memory": False}
+"""The levers of issue 20 that are options, off: PEFT's own LoRA layers and glibc's default malloc."""
 OURS = {  # (module options, Trainer precision)
+    "ours-peft": (BEFORE, "32-true"),
+    "ours-fused": ({"retain_freed_memory": False}, "32-true"),
+    "ours-retain": ({"fuse_lora": False}, "32-true"),
     "ours-eager": ({}, "32-true"),
     "ours": ({"compile_layers": True}, "32-true"),
+    "ours-gc": ({"gradient_checkpointing": True}, "32-true"),
     "ours-lean": ({"compile_layers": True, "gradient_checkpointing": True}, "32-true"),
     "ours-bf16": ({}, "bf16-mixed"),
 }
@@ -74,16 +86,20 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
 
     class StepClock(L.Callback):
         def __init__(self) -> None:
-            self.rows: list[tuple[float, int, int, float]] = []  # (seconds, tokens, response tokens, loss)
+            # (seconds, tokens, response tokens, loss, sum over samples of n(n+1)/2: causal contexts)
+            self.rows: list[tuple[float, int, int, float, int]] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.start = time.perf_counter()
             self.tokens = batch["input_ids"].numel()
             self.response = int((batch["labels"][:, 1:] != -100).sum())
+            bounds = batch["packed_segments"]
+            self.contexts = sum((e - s) * (e - s + 1) // 2 for s, e in itertools.pairwise(bounds))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             loss = float(trainer.callback_metrics["train/loss"])
-            self.rows.append((time.perf_counter() - self.start, self.tokens, self.response, loss))
+            seconds = time.perf_counter() - self.start
+            self.rows.append((seconds, self.tokens, self.response, loss, self.contexts))
 
     clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp:
@@ -217,17 +233,18 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
     return {"steps": rows, "peak_rss_mb": peak_rss_mb()}
 
 
-def flops_per_token(config, response_fraction: float) -> float:
+def flops_per_token(config, response_fraction: float, mean_context: float) -> float:
     """Frozen-base LoRA training, per token: forward 2P and input-gradient backward 2P over the
     frozen linear layers (no weight gradients for the base), and the lm_head over the response
     positions only (all the loss needs); forward, input- and weight-gradient 6P over the adapters;
-    causal attention at the data's mean context."""
+    causal attention over ``mean_context`` keys: QK^T and AV forward (4 h FLOPs a key), twice
+    that backward (dQ, dK, dV and dP)."""
     h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
     kv = h * config.num_key_value_heads // config.num_attention_heads
     frozen = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + response_fraction * h * config.vocab_size
     adapters = layers * RANK * (2 * (h + h) + 2 * (h + kv) + 3 * (h + inter))
-    attention = layers * 4 * h * 100  # QK^T and AV over ~100 earlier positions on average
-    return 4 * frozen + 6 * adapters + 2 * attention
+    attention = layers * 4 * h * mean_context
+    return 4 * frozen + 6 * adapters + 3 * attention
 
 
 def sgemm_gflops(trials: int = 5, repeats: int = 10) -> float:
@@ -252,6 +269,7 @@ def summarize(result: dict, warmup: int) -> dict:
         "tokens_per_s": sum(r[1] for r in rows) / seconds,
         "response_tokens_per_s": sum(r[2] for r in rows) / seconds,
         "response_fraction": sum(r[2] for r in rows) / sum(r[1] for r in rows),
+        "mean_context": sum(r[4] for r in rows) / sum(r[1] for r in rows) if len(rows[0]) > 4 else None,
         "warmup_s": sum(r[0] for r in result["steps"][:warmup]),
         "peak_rss_mb": result["peak_rss_mb"],
         "losses": [r[3] for r in result["steps"]],
@@ -288,7 +306,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
-    default_runs = ["trl", "ours-eager", "ours", "ours-lean"]
+    default_runs = ["trl", "ours-peft", "ours-eager", "ours", "ours-gc", "ours-lean"]
     parser.add_argument("--runs", nargs="+", choices=[*TRL, *OURS], default=default_runs)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/vs_trl.json"))
     parser.add_argument("--worker", nargs=3, metavar=("WHICH", "DATA", "STEPS"), help=argparse.SUPPRESS)
@@ -324,11 +342,12 @@ def main() -> None:
     # the newline after each answer's end-of-turn token).
     counted = next((r for which, r in best.items() if which in OURS), best["trl"])
     gflops = sgemm_gflops()
-    per_token = flops_per_token(AutoConfig.from_pretrained(path), counted["response_fraction"])
+    config = AutoConfig.from_pretrained(path)
+    per_token = flops_per_token(config, counted["response_fraction"], counted["mean_context"])
     limit = gflops * 1e9 / per_token
     print(
-        f"sgemm {gflops:.0f} GFLOP/s; LoRA training {per_token / 1e6:.0f} MFLOP/token "
-        f"-> FLOP limit {limit:.0f} tokens/s"
+        f"sgemm {gflops:.0f} GFLOP/s; LoRA training {per_token / 1e6:.0f} MFLOP/token (mean causal "
+        f"context {counted['mean_context']:.0f}) -> FLOP limit {limit:.0f} tokens/s"
     )
     print_report(best, limit)
     args.json.parent.mkdir(parents=True, exist_ok=True)
