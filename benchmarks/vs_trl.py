@@ -18,6 +18,7 @@ The runs (``--runs``; every ratio is against ``trl``):
   ours-retain  ours-peft + ``retain_freed_memory`` alone
   ours         ours-eager + ``model.compile_layers``
   ours-gc      ours-eager + ``model.gradient_checkpointing``
+  ours-gc-half ours-gc on the first 15 of the 30 layers only (``model.checkpoint_layers: 15``)
   ours-lean    ours + ``model.gradient_checkpointing``
   ours-bf16    ours-eager under bf16 autocast (``trainer.precision: bf16-mixed``)
 
@@ -47,6 +48,7 @@ OURS = {  # (module options, Trainer precision)
     "ours-eager": ({}, "32-true"),
     "ours": ({"compile_layers": True}, "32-true"),
     "ours-gc": ({"gradient_checkpointing": True}, "32-true"),
+    "ours-gc-half": ({"gradient_checkpointing": True, "checkpoint_layers": 15}, "32-true"),
     "ours-lean": ({"compile_layers": True, "gradient_checkpointing": True}, "32-true"),
     "ours-bf16": ({}, "bf16-mixed"),
 }
