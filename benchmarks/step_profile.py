@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--batch", type=int, default=None, help="samples per packed row (default: vs_trl's)")
     parser.add_argument(
         "--loop-optimizer", action="store_true", help="AdamW's per-tensor loop (torch's CPU default)"
     )
@@ -85,18 +86,15 @@ def main() -> None:
     from vs_trl import BATCH, LR, RANK, SEED
 
     from lit_instruct import InstructLoRAModule, LoRAConfig
-    from lit_instruct.cpu_memory import retain_freed_memory
     from lit_instruct.loss.fused import FusedLinearCrossEntropy
     from lit_instruct.module import adamw
     from lit_instruct.window import scale_gradients
 
     torch.manual_seed(SEED)
-    batches = packed_batches(args.warmup + args.steps, BATCH, SEED)
+    batches = packed_batches(args.warmup + args.steps, args.batch or BATCH, SEED)
     lora = LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules=["all-linear"])
     module = InstructLoRAModule(lora=lora, learning_rate=LR, packing=True, **parse_options(args.options))
     module.loss_fn = FusedLinearCrossEntropy()
-    if module.hparams["retain_freed_memory"]:  # what the module's setup does under a CPU Trainer
-        retain_freed_memory()
     params = [p for p in module.parameters() if p.requires_grad]
     if args.loop_optimizer:
         optimizer = torch.optim.AdamW(params, lr=LR, foreach=False)

@@ -12,10 +12,8 @@ The runs (``--runs``; every ratio is against ``trl``):
   trl          TRL's fastest fp32 settings: bf16 and gradient checkpointing off
   trl-gc       TRL with its default gradient checkpointing
   ours-eager   ``configs/lora.yaml``'s choices: fused CE (``fused_ce``), padding-free packing
-               (``data.packing``), fused LoRA layers and retained memory (the defaults)
-  ours-peft    ours-eager with ``model.fuse_lora`` and ``model.retain_freed_memory`` off (before)
-  ours-fused   ours-peft + ``fuse_lora`` alone
-  ours-retain  ours-peft + ``retain_freed_memory`` alone
+               (``data.packing``) and the fused LoRA layers (``model.fuse_lora``, the default)
+  ours-peft    ours-eager on PEFT's own LoRA layers (``model.fuse_lora: false``)
   ours         ours-eager + ``model.compile_layers``
   ours-gc      ours-eager + ``model.gradient_checkpointing``
   ours-gc-half ours-gc on the first 15 of the 30 layers only (``model.checkpoint_layers: 15``)
@@ -39,12 +37,8 @@ from pathlib import Path
 from workers import run_worker
 
 BATCH, MAX_LENGTH, LR, SEED, RANK = 4, 512, 2e-4, 0, 16
-BEFORE = {"fuse_lora": False, "retain_freed_memory": False}
-"""The levers of issue 20 that are options, off: PEFT's own LoRA layers and glibc's default malloc."""
 OURS = {  # (module options, Trainer precision)
-    "ours-peft": (BEFORE, "32-true"),
-    "ours-fused": ({"retain_freed_memory": False}, "32-true"),
-    "ours-retain": ({"fuse_lora": False}, "32-true"),
+    "ours-peft": ({"fuse_lora": False}, "32-true"),
     "ours-eager": ({}, "32-true"),
     "ours": ({"compile_layers": True}, "32-true"),
     "ours-gc": ({"gradient_checkpointing": True}, "32-true"),

@@ -18,7 +18,6 @@ from lit_instruct.callbacks.fit_report import FitReport
 from lit_instruct.callbacks.rng_states import RestoreRNGStates
 from lit_instruct.callbacks.throughput import TokensPerSecond
 from lit_instruct.export import save_adapter
-from lit_instruct.cpu_memory import retain_freed_memory
 from lit_instruct.fsdp import (
     fill_from_rank_zero,
     full_tensor,
@@ -107,9 +106,6 @@ class InstructLoRAModule(L.LightningModule):
             MLPs as fused autograd nodes (:mod:`lit_instruct.fused_lora`): the same adapters and
             results, fewer and smaller ops and saved activations; checked against PEFT's own
             forward at build time.
-        retain_freed_memory: training on CPU, keep freed memory in the process instead of giving
-            it back to the kernel and faulting it in again next step
-            (:func:`lit_instruct.cpu_memory.retain_freed_memory`, process-wide; glibc only).
     """
 
     def __init__(
@@ -132,7 +128,6 @@ class InstructLoRAModule(L.LightningModule):
         packing: bool = False,
         low_memory_load: bool = False,
         fuse_lora: bool = True,
-        retain_freed_memory: bool = True,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
@@ -190,8 +185,6 @@ class InstructLoRAModule(L.LightningModule):
         return self.base_model.get_output_embeddings()
 
     def setup(self, stage: str) -> None:
-        if self.hparams.get("retain_freed_memory") and self.trainer.strategy.root_device.type == "cpu":
-            retain_freed_memory()
         if getattr(getattr(self.trainer, "datamodule", None), "packing", False) and not self.packing:
             raise ValueError(
                 "data.packing is on but the model was built without packing: pass "
