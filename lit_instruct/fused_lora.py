@@ -11,13 +11,14 @@ intermediate)`` tensors.
 
 Nothing about the adapters changes: PEFT's modules and parameters stay where they are (adapter files
 are PEFT's own), and each call falls back to PEFT's forward whenever it does anything this does not
-(dropout, disabled or merged adapters, several adapters, DoRA, non-float bases such as 4-bit layers,
-autocast). :func:`fuse_lora` checks every rewritten layer against PEFT's own forward and backward
-at build time.
+(dropout, disabled or merged adapters, several adapters, DoRA, a base weight that trains, bases that
+are not plain float tensors such as 4-bit layers or DTensor shards, autocast). :func:`fuse_lora`
+checks every rewritten layer against PEFT's own forward and backward at build time.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ def lora_parts(layer: nn.Module, x: torch.Tensor) -> Parts | None:
     base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
     dropout = layer.lora_dropout[name]
     if type(base) is not nn.Linear or getattr(layer, "fan_in_fan_out", False) or b.bias is not None:
+        return None
+    if base.weight.requires_grad:  # a trained base weight: its gradient is PEFT's to compute
         return None
     if not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0)):
         return None
@@ -95,7 +98,8 @@ def _backward(
         grad_x = torch.mm(gxa, a)
         for g, p in zip(grads, parts, strict=True):
             grad_x.addmm_(g, p.weight)
-    per, at = [], 0
+    per: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = []
+    at = 0
     for g, p in zip(grads, parts, strict=True):
         r = p.a.shape[0]
         grad_b = (g.T @ xa[:, at : at + r]).mul_(p.scaling)
@@ -110,7 +114,10 @@ def _flat(parts: Sequence[Parts]) -> list[Any]:
 
 
 def _parts(flat: Sequence[Any], scalings: Sequence[float]) -> list[Parts]:
-    return [Parts(*flat[4 * i : 4 * i + 4], s) for i, s in enumerate(scalings)]  # type: ignore[misc]
+    return [
+        Parts(flat[4 * i], flat[4 * i + 1], flat[4 * i + 2], flat[4 * i + 3], s)
+        for i, s in enumerate(scalings)
+    ]
 
 
 def _grads_out(per: list[tuple[Any, Any, Any]]) -> list[Any]:
@@ -264,7 +271,7 @@ def fuse_lora(model: nn.Module, check: bool = True) -> FusedLayers:
             original = module.forward
             module.forward = types.MethodType(_swiglu_forward(original), module)
             if check:
-                _check(module, module.gate_proj.in_features, lambda m=module: _restore(m), "mlp")
+                _check(module, _width(module.gate_proj), functools.partial(_restore, module), "mlp")
             fused.mlps += 1
         names = ("q_proj", "k_proj", "v_proj")
         if all(_plain(getattr(module, n, None)) for n in names):
@@ -280,7 +287,11 @@ def _plain(layer: nn.Module | None) -> bool:
     """A PEFT LoRA ``Linear`` over a plain ``nn.Linear`` (whether a call is fused is decided per call)."""
     from peft.tuners.lora.layer import Linear as LoRALinear
 
-    return type(layer) is LoRALinear and type(layer.base_layer) is nn.Linear  # type: ignore[union-attr]
+    return type(layer) is LoRALinear and type(layer.base_layer) is nn.Linear
+
+
+def _width(layer: Any) -> int:
+    return int(layer.in_features)
 
 
 def _restore(module: nn.Module) -> None:
@@ -328,8 +339,7 @@ def _check(module: nn.Module, width: int, undo: Callable[[], None], what: str) -
 
 @torch.enable_grad()
 def _check_group(group: SharedInput) -> None:
-    width = group.layers[0].in_features
-    x = _probe(group.layers[0], width)
+    x = _probe(group.layers[0], _width(group.layers[0]))
     if x is None:
         return
     params = [
