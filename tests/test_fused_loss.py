@@ -141,6 +141,12 @@ def test_bias_and_logit_transform_equal_float64_cross_entropy(backend, transform
         pytest.importorskip("triton")
     hidden, weight, labels = (t.to(DEVICE) for t in make_case(41, 16, 300, 0.3, torch.float32, seed=7))
     bias = torch.randn(300, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    assert_fused_equals_float64(hidden, weight, bias, labels, transform, chunk_size=7, backend=backend)
+
+
+def assert_fused_equals_float64(hidden, weight, bias, labels, transform, **options) -> None:
+    """The fused loss (fp32) and its gradients for hidden, weight and bias against autograd through
+    the materialized, transformed float64 logits."""
 
     def grads(fn, dtype):
         leaves = [t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias)]
@@ -149,7 +155,7 @@ def test_bias_and_logit_transform_equal_float64_cross_entropy(backend, transform
 
     ours = grads(
         lambda h, w, b: fused_linear_cross_entropy(
-            h, w, labels, bias=b, transform=transform, reduction="sum", chunk_size=7, backend=backend
+            h, w, labels, bias=b, transform=transform, reduction="sum", **options
         ),
         torch.float32,
     )
@@ -174,26 +180,7 @@ def test_chunks_padded_to_a_multiple_of_64_rows_equal_float64_cross_entropy(chun
     hidden, weight, labels = make_case(300, 16, 300, 0.3, torch.float32, seed=5)
     assert int((labels != IGNORE_INDEX).sum()) % 64
     bias = torch.randn(300, generator=torch.Generator().manual_seed(6))
-
-    def grads(fn, dtype):
-        leaves = [t.to(dtype).clone().requires_grad_() for t in (hidden, weight, bias)]
-        loss = fn(*leaves)
-        return [loss, *torch.autograd.grad(loss, leaves)]
-
-    ours = grads(
-        lambda h, w, b: fused_linear_cross_entropy(
-            h, w, labels, bias=b, transform=transform, reduction="sum", chunk_size=chunk, backend="torch"
-        ),
-        torch.float32,
-    )
-    plain = grads(
-        lambda h, w, b: F.cross_entropy(
-            transform(h @ w.T + b), labels, ignore_index=IGNORE_INDEX, reduction="sum"
-        ),
-        torch.float64,
-    )
-    for a, b in zip(ours, plain, strict=True):
-        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-5)
+    assert_fused_equals_float64(hidden, weight, bias, labels, transform, chunk_size=chunk, backend="torch")
 
 
 @pytest.mark.parametrize("ignore_index", [-1, 7], ids=["negative", "a-vocabulary-id"])

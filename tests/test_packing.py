@@ -53,14 +53,25 @@ def test_packed_training_equals_padded_training(tiny_model_dir, chat_file, tmp_p
 
 
 @pytest.mark.parametrize(
-    "option", ["gradient_checkpointing", pytest.param("compile_layers", marks=pytest.mark.slow)]
+    "options",
+    [
+        {"gradient_checkpointing": True},
+        {"gradient_checkpointing": True, "checkpoint_layers": 1},
+        pytest.param({"compile_layers": True}, marks=pytest.mark.slow),
+    ],
+    ids=["checkpointing", "checkpointing-1-layer", "compile"],
 )
 def test_speed_and_memory_options_give_the_same_gradients(
-    tiny_model_dir, chat_file, tmp_path, option
+    tiny_model_dir, chat_file, tmp_path, options
 ) -> None:
     grads = {}
     for enabled in (False, True):
-        module, data = make(tiny_model_dir, chat_file, GradCapture, packing=True, **{option: enabled})
+        module, data = make(
+            tiny_model_dir, chat_file, GradCapture, packing=True, **(options if enabled else {})
+        )
+        if enabled and "checkpoint_layers" in options:  # the first layer recomputes, the second keeps
+            layers = module.base_model.get_decoder().layers
+            assert [layer.gradient_checkpointing for layer in layers] == [True, False]
         trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, datamodule=data)
         grads[enabled] = module.captured
     for name, grad in grads[False].items():
@@ -89,6 +100,11 @@ def test_bf16_autocast_trains_packed_with_the_fused_loss_like_fp32(
     assert losses["bf16-mixed"].isfinite().all()
     torch.testing.assert_close(losses["bf16-mixed"], losses["32-true"], atol=0, rtol=2e-2)
     assert not torch.equal(losses["bf16-mixed"], losses["32-true"])  # autocast really ran in bf16
+
+
+def test_checkpoint_layers_needs_gradient_checkpointing(tiny_model_dir, chat_file) -> None:
+    with pytest.raises(ValueError, match=r"checkpoint_layers needs model\.gradient_checkpointing"):
+        make(tiny_model_dir, chat_file, checkpoint_layers=1)
 
 
 def test_packed_data_needs_a_model_built_for_it(tiny_model_dir, chat_file, tmp_path) -> None:
