@@ -3,8 +3,9 @@
 Builds the module as ``benchmarks/vs_trl.py`` does (SmolLM2-135M-Instruct, LoRA r=16 on all linear
 layers, fp32, fused loss, packing), runs ``--warmup`` steps, then profiles ``--steps`` steps (forward,
 backward, gradient rescale + clipping, optimizer) and prints each category's share of the CPU time
-(self time of the ops in it) and the top ops. Module options are ``key=value`` pairs
-(``compile_layers=true``). Every category is on the one (main) thread's ops.
+(self time of the ops in it), the wall time of each phase and the top ops. Module options are
+``key=value`` pairs (``compile_layers=true``); ``--loop-optimizer`` steps AdamW tensor by tensor,
+PyTorch's CPU default, as before the module asked for ``foreach``.
 
     python benchmarks/step_profile.py                      # the shipped configs/lora.yaml choices
     python benchmarks/step_profile.py compile_layers=true  # one option set
