@@ -68,10 +68,14 @@ def lora_parts(layer: nn.Module, x: torch.Tensor) -> Parts | None:
     return Parts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]))
 
 
+def _stacked_a(parts: Sequence[Parts]) -> torch.Tensor:
+    """``[A_1; A_2; ...]``, ``(sum r_i, K)`` (a copy of a few KiB when there are several)."""
+    return parts[0].a if len(parts) == 1 else torch.cat([p.a for p in parts])
+
+
 def _forward(x: torch.Tensor, parts: Sequence[Parts]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``x (M, K)`` -> each projection's output ``(M, N_i)``, and ``x @ [A_1; A_2; ...].T``."""
-    a = parts[0].a if len(parts) == 1 else torch.cat([p.a for p in parts])
-    xa = x @ a.T  # (M, sum r_i)
+    xa = x @ _stacked_a(parts).T  # (M, sum r_i)
     outputs, at = [], 0
     for p in parts:
         y = x @ p.weight.T if p.bias is None else torch.addmm(p.bias, x, p.weight.T)
@@ -91,11 +95,10 @@ def _backward(
 ) -> tuple[torch.Tensor | None, list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]]:
     """Gradients of :func:`_forward`: for ``x`` (if ``needs[0]``) and per projection (bias, A, B)."""
     gxa = torch.cat([(g @ p.b).mul_(p.scaling) for g, p in zip(grads, parts, strict=True)], dim=1)
-    a = parts[0].a if len(parts) == 1 else torch.cat([p.a for p in parts])
     grad_a = gxa.T @ x  # (sum r_i, K)
     grad_x = None
     if needs[0]:
-        grad_x = torch.mm(gxa, a)
+        grad_x = torch.mm(gxa, _stacked_a(parts))
         for g, p in zip(grads, parts, strict=True):
             grad_x.addmm_(g, p.weight)
     per: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = []
@@ -111,6 +114,25 @@ def _backward(
 
 def _flat(parts: Sequence[Parts]) -> list[Any]:
     return [t for p in parts for t in (p.weight, p.bias, p.a, p.b)]
+
+
+def _save(
+    ctx: Any, activations: Sequence[torch.Tensor], flat: Sequence[Any], scalings: Sequence[float]
+) -> None:
+    """Keep ``activations`` and the projections (``flat``, absent biases as empty tensors) for backward."""
+    ctx.save_for_backward(*activations, *[t if t is not None else torch.empty(0) for t in flat])
+    ctx.activations, ctx.scalings = len(activations), scalings
+    ctx.has_bias = [flat[4 * i + 1] is not None for i in range(len(scalings))]
+
+
+def _saved(ctx: Any) -> tuple[Sequence[torch.Tensor], list[Parts]]:
+    """What :func:`_save` kept: the activations and the projections' parts."""
+    saved = ctx.saved_tensors
+    flat: list[Any] = list(saved[ctx.activations :])
+    for i, has in enumerate(ctx.has_bias):
+        if not has:
+            flat[4 * i + 1] = None
+    return saved[: ctx.activations], _parts(flat, ctx.scalings)
 
 
 def _parts(flat: Sequence[Any], scalings: Sequence[float]) -> list[Parts]:
@@ -131,18 +153,13 @@ class LoRAProjections(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, scalings: tuple[float, ...], *flat: Any
     ) -> tuple[torch.Tensor, ...]:
-        parts = _parts(flat, scalings)
-        outputs, xa = _forward(x, parts)
-        ctx.save_for_backward(x, xa, *[t if t is not None else torch.empty(0) for t in flat])
-        ctx.scalings, ctx.has_bias = scalings, [p.bias is not None for p in parts]
+        outputs, xa = _forward(x, _parts(flat, scalings))
+        _save(ctx, (x, xa), flat, scalings)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        x, xa, *flat = ctx.saved_tensors
-        for i, has in enumerate(ctx.has_bias):
-            flat[4 * i + 1] = flat[4 * i + 1] if has else None
-        parts = _parts(flat, ctx.scalings)
+        (x, xa), parts = _saved(ctx)
         grad_x, per = _backward(x, xa, [g.contiguous() for g in grads], parts, ctx.needs_input_grad)
         return (grad_x, None, *_grads_out(per))
 
@@ -156,16 +173,12 @@ class SwiGLULoRA(torch.autograd.Function):
         (gate, up), xa = _forward(x, parts[:2])
         hidden = F.silu(gate).mul_(up)
         (out,), ha = _forward(hidden, parts[2:])
-        ctx.save_for_backward(x, xa, gate, up, ha, *[t if t is not None else torch.empty(0) for t in flat])
-        ctx.scalings, ctx.has_bias = scalings, [p.bias is not None for p in parts]
+        _save(ctx, (x, xa, gate, up, ha), flat, scalings)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        x, xa, gate, up, ha, *flat = ctx.saved_tensors
-        for i, has in enumerate(ctx.has_bias):
-            flat[4 * i + 1] = flat[4 * i + 1] if has else None
-        parts = _parts(flat, ctx.scalings)
+        (x, xa, gate, up, ha), parts = _saved(ctx)
         sigmoid = torch.sigmoid(gate)
         silu = gate * sigmoid
         grad_hidden, down = _backward(silu * up, ha, [grad_out.contiguous()], parts[2:], (True,))
@@ -225,10 +238,14 @@ class SharedInput:
             del layer.forward  # back to the class's
 
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
 def _swiglu_forward(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def forward(mlp: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not args and not kwargs:
-            parts = [lora_parts(getattr(mlp, n), x) for n in ("gate_proj", "up_proj", "down_proj")]
+            parts = [lora_parts(getattr(mlp, n), x) for n in MLP_PROJECTIONS]
             if all(p is not None for p in parts):
                 return _apply(SwiGLULoRA, x, parts)  # type: ignore[arg-type]
         return original(x, *args, **kwargs)
@@ -237,9 +254,9 @@ def _swiglu_forward(original: Callable[..., torch.Tensor]) -> Callable[..., torc
 
 
 def _is_swiglu(mlp: nn.Module) -> bool:
-    """A gated MLP whose forward is ``down(silu(gate(x)) * up(x))`` by its parts (checked after)."""
-    names = ("gate_proj", "up_proj", "down_proj")
-    if not all(hasattr(mlp, n) for n in names):
+    """A gated MLP of PEFT LoRA layers whose forward is ``down(silu(gate(x)) * up(x))`` by its parts
+    (checked after)."""
+    if not all(_plain(getattr(mlp, n, None)) for n in MLP_PROJECTIONS):
         return False
     act = type(getattr(mlp, "act_fn", None))
     return act is nn.SiLU or (
@@ -265,22 +282,40 @@ def fuse_lora(model: nn.Module, check: bool = True) -> FusedLayers:
     """
     fused = FusedLayers()
     for module in model.modules():
-        if _is_swiglu(module) and all(
-            _plain(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj")
-        ):
-            original = module.forward
-            module.forward = types.MethodType(_swiglu_forward(original), module)
-            if check:
-                _check(module, _width(module.gate_proj), functools.partial(_restore, module), "mlp")
+        if _is_swiglu(module):
+            _fuse_mlp(module, check)
             fused.mlps += 1
-        names = ("q_proj", "k_proj", "v_proj")
-        if all(_plain(getattr(module, n, None)) for n in names):
-            group = SharedInput([getattr(module, n) for n in names])
-            group.install()
-            if check:
-                _check_group(group)
+        if all(_plain(getattr(module, n, None)) for n in QKV_PROJECTIONS):
+            _fuse_qkv(module, check)
             fused.attention_groups += 1
     return fused
+
+
+def _fuse_mlp(mlp: nn.Module, check: bool) -> None:
+    mlp.forward = types.MethodType(_swiglu_forward(mlp.forward), mlp)
+    if check:
+        _check(
+            mlp.gate_proj,
+            _lora_params([mlp]),
+            lambda x: [mlp(x)],
+            lambda x: [type(mlp).forward(mlp, x)],
+            functools.partial(_restore, mlp),
+            "mlp",
+        )
+
+
+def _fuse_qkv(attention: nn.Module, check: bool) -> None:
+    group = SharedInput([getattr(attention, n) for n in QKV_PROJECTIONS])
+    group.install()
+    if check:
+        _check(
+            group.layers[0],
+            _lora_params(group.layers),
+            lambda x: [layer(x) for layer in group.layers],
+            lambda x: [original(x) for original in group.originals],
+            group.remove,
+            "q/k/v projections",
+        )
 
 
 def _plain(layer: nn.Module | None) -> bool:
@@ -290,70 +325,47 @@ def _plain(layer: nn.Module | None) -> bool:
     return type(layer) is LoRALinear and type(layer.base_layer) is nn.Linear
 
 
-def _width(layer: Any) -> int:
-    return int(layer.in_features)
-
-
 def _restore(module: nn.Module) -> None:
     del module.forward
 
 
-def _adapter_grads(module: nn.Module, run: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
-    params = [p for n, p in module.named_parameters() if "lora_" in n and p.requires_grad]
+def _lora_params(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
+    return [p for m in modules for n, p in m.named_parameters() if "lora_" in n and p.requires_grad]
+
+
+def _outputs_and_grads(
+    run: Callable[[torch.Tensor], list[torch.Tensor]], x: torch.Tensor, params: list[nn.Parameter]
+) -> list[torch.Tensor]:
     with torch.random.fork_rng(devices=[]):  # the same dropout masks, if any, for both runs
         torch.manual_seed(0)
-        out = run()
-    grads = torch.autograd.grad(out.square().sum(), params) if params else ()  # frozen: forward only
-    return [out.detach(), *grads]
+        outputs = run(x)
+    loss = sum(o.square().sum() for o in outputs)
+    grads = torch.autograd.grad(loss, params) if params else ()  # type: ignore[arg-type]  # frozen: forward only
+    return [o.detach() for o in outputs] + list(grads)
 
 
-def _compare(fast: list[torch.Tensor], slow: list[torch.Tensor], what: str, undo: Callable[[], None]) -> None:
-    for f, s in zip(fast, slow, strict=True):
-        scale = float(s.abs().max()) or 1.0
-        if float((f - s).abs().max()) > 1e-4 * scale:
+@torch.enable_grad()
+def _check(
+    first: Any,
+    params: list[nn.Parameter],
+    fast: Callable[[torch.Tensor], list[torch.Tensor]],
+    slow: Callable[[torch.Tensor], list[torch.Tensor]],
+    undo: Callable[[], None],
+    what: str,
+) -> None:
+    """``fast`` (the rewrite) against ``slow`` (PEFT's forward) on a few random tokens as wide as the
+    input of the projection ``first``: outputs and the gradients of ``params`` (1e-4 relative); on a
+    difference, ``undo`` and raise. Skipped for a weightless (meta) or non-float model."""
+    weight = next(first.parameters())
+    if weight.is_meta or not weight.dtype.is_floating_point:
+        return
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, int(first.in_features), generator=generator).to(weight.device, weight.dtype)
+    for f, s in zip(_outputs_and_grads(fast, x, params), _outputs_and_grads(slow, x, params), strict=True):
+        error, scale = float((f - s).abs().max()), float(s.abs().max()) or 1.0
+        if error > 1e-4 * scale:
             undo()
             raise RuntimeError(
-                f"fused LoRA {what} differs from PEFT's own forward (max {float((f - s).abs().max()):.3g}): "
+                f"fused LoRA {what} differs from PEFT's own forward (max {error:.3g}): "
                 "set model.fuse_lora: false and report it"
             )
-
-
-def _probe(module: nn.Module, width: int) -> torch.Tensor | None:
-    weight = next(module.parameters())
-    if weight.is_meta or not weight.dtype.is_floating_point:
-        return None
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, width, generator=generator, dtype=torch.float32).to(weight.device, weight.dtype)
-    return x
-
-
-@torch.enable_grad()
-def _check(module: nn.Module, width: int, undo: Callable[[], None], what: str) -> None:
-    x = _probe(module, width)
-    if x is None:
-        return
-    fast = _adapter_grads(module, lambda: module(x))
-    slow = _adapter_grads(module, lambda: type(module).forward(module, x))
-    _compare(fast, slow, what, undo)
-
-
-@torch.enable_grad()
-def _check_group(group: SharedInput) -> None:
-    x = _probe(group.layers[0], _width(group.layers[0]))
-    if x is None:
-        return
-    params = [
-        p for layer in group.layers for n, p in layer.named_parameters() if "lora_" in n and p.requires_grad
-    ]
-
-    def run(calls: Sequence[Callable[..., torch.Tensor]]) -> list[torch.Tensor]:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            outs = [call(x) for call in calls]
-        loss = sum(o.square().sum() for o in outs)
-        grads = torch.autograd.grad(loss, params) if params else ()  # type: ignore[arg-type]
-        return [o.detach() for o in outs] + list(grads)
-
-    fast = run([layer.__call__ for layer in group.layers])
-    slow = run(group.originals)
-    _compare(fast, slow, "q/k/v projections", group.remove)
