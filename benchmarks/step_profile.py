@@ -34,31 +34,21 @@ def category(name: str) -> str:
     return "other"
 
 
-def packed_batches(count: int, batch: int, seed: int) -> list[dict]:
+def packed_batches(count: int, batch: int) -> list[dict]:
     """The benchmark's data (``vs_trl.instruction_records``) through the data module's packing."""
     import tempfile
     from pathlib import Path
 
     from transformers import AutoTokenizer
-    from vs_trl import MAX_LENGTH, instruction_records
+    from vs_trl import instruction_records, packed_datamodule, write_jsonl
 
-    from lit_instruct import InstructDataModule
     from lit_instruct.models import prepare_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "instructions.jsonl"
-        records = instruction_records(count * batch, tokenizer)
-        data.write_text("".join(json.dumps(r) + "\n" for r in records))
-        datamodule = InstructDataModule(
-            train_files=[str(data)],
-            max_seq_len=MAX_LENGTH,
-            batch_size=batch,
-            val_fraction=0.0,
-            deduplicate=False,
-            packing=True,
-            seed=seed,
-        )
+        write_jsonl(data, instruction_records(count * batch, tokenizer))
+        datamodule = packed_datamodule(data, batch)
         datamodule.setup("fit")
         return list(datamodule.train_dataloader())[:count]
 
@@ -92,7 +82,7 @@ def main() -> None:
     from lit_instruct.window import scale_gradients
 
     torch.manual_seed(SEED)
-    batches = packed_batches(args.warmup + args.steps, args.batch or BATCH, SEED)
+    batches = packed_batches(args.warmup + args.steps, args.batch or BATCH)
     lora = LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules=["all-linear"])
     module = InstructLoRAModule(lora=lora, learning_rate=LR, packing=True, **parse_options(args.options))
     module.loss_fn = FusedLinearCrossEntropy()

@@ -33,6 +33,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from workers import run_worker
 
@@ -71,6 +72,25 @@ def instruction_records(
     return records
 
 
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def packed_datamodule(data: Path, batch: int = BATCH) -> Any:
+    """Our data module on the benchmark's JSONL: packed rows of ``batch`` samples, no validation."""
+    from lit_instruct import InstructDataModule
+
+    return InstructDataModule(
+        train_files=[str(data)],
+        max_seq_len=MAX_LENGTH,
+        batch_size=batch,
+        val_fraction=0.0,
+        deduplicate=False,
+        packing=True,
+        seed=SEED,
+    )
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -78,7 +98,7 @@ def peak_rss_mb() -> float:
 def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
     import lightning as L
 
-    from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
+    from lit_instruct import InstructLoRAModule, LoRAConfig
 
     class StepClock(L.Callback):
         def __init__(self) -> None:
@@ -110,15 +130,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
             packing=True,
             **options,
         )
-        datamodule = InstructDataModule(
-            train_files=[str(data)],
-            max_seq_len=MAX_LENGTH,
-            batch_size=BATCH,
-            val_fraction=0.0,
-            deduplicate=False,
-            packing=True,
-            seed=SEED,
-        )
+        datamodule = packed_datamodule(data)
         trainer = L.Trainer(
             accelerator="cpu",
             strategy="fused_ce",
@@ -313,6 +325,8 @@ def main() -> None:
         return
     if "trl" not in args.runs:
         parser.error("--runs must include trl: every ratio is against it")
+    if not set(args.runs) & set(OURS):
+        parser.error("--runs must include a lit-instruct run: the FLOP count reads its packed batches")
 
     from transformers import AutoConfig, AutoTokenizer
 
@@ -324,7 +338,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "instructions.jsonl"
         records = instruction_records(args.steps * BATCH, tokenizer)
-        data.write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_jsonl(data, records)
         order = InstructSampler([1] * len(records), BATCH, seed=SEED).rank_order(0)
         data.with_suffix(".order.json").write_text(json.dumps(order))
         runs: dict[str, list[dict]] = {which: [] for which in args.runs}
@@ -334,9 +348,9 @@ def main() -> None:
                 runs[which].append(summarize(result, args.warmup))
 
     best = {which: max(rs, key=lambda r: r["tokens_per_s"]) for which, rs in runs.items()}
-    # The response share of the tokens, from one of our runs where there is one (TRL's also counts
-    # the newline after each answer's end-of-turn token).
-    counted = next((r for which, r in best.items() if which in OURS), best["trl"])
+    # The response share of the tokens and the causal contexts, from one of our runs (TRL's count
+    # also has the newline after each answer's end-of-turn token).
+    counted = next(r for which, r in best.items() if which in OURS)
     gflops = sgemm_gflops()
     config = AutoConfig.from_pretrained(path)
     per_token = flops_per_token(config, counted["response_fraction"], counted["mean_context"])

@@ -95,7 +95,7 @@ def load_base_model(
     With 4-bit ``quantization`` the linear layers of the decoder become frozen bitsandbytes
     ``Linear4bit`` layers and every other weight (embeddings, norms) is kept in ``compute_dtype``.
     With ``meta`` only its skeleton is built (no weights read, no memory), for a rank that receives
-    its shards from rank 0 (:func:`lit_instruct.fsdp.receive_from_rank_zero`).
+    its shards from rank 0 (:func:`lit_instruct.fsdp.fill_from_rank_zero`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
