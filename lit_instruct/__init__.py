@@ -7,9 +7,17 @@ not pull in ``transformers`` and Lightning.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# peft imports bitsandbytes whenever it is installed, and on an AVX512-BF16 CPU bitsandbytes then says
+# it could not fetch a hub kernel for its repacked 4-bit CPU inference layout: a layout lit-instruct
+# switches off (lit_instruct.four_bit), so the notice is noise on every run, QLoRA or not.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: "kernels-community" not in record.getMessage()
+)
 
 _EXPORTS = {
     "DataSource": "lit_instruct.data.sources",

@@ -65,6 +65,8 @@ class AutoWandbLogger(WandbLogger):
                 self._fallback_reason = f"W&B ({host}) is unreachable"
         os.makedirs(save_dir, exist_ok=True)
         super().__init__(offline=offline, project=project, save_dir=save_dir, **kwargs)
+        if self._wandb_init.get("anonymous", False) is None:  # wandb warns the setting is deprecated
+            del self._wandb_init["anonymous"]
 
     @property
     @rank_zero_experiment

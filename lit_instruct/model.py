@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lit_instruct.four_bit import check_training_layout, keep_training_layout
 from lit_instruct.models import BUNDLED_MODELS
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -137,6 +138,9 @@ def load_base_model(
         **kwargs,
     )
     model.config.use_cache = False
+    if "quantization_config" in kwargs:
+        keep_training_layout(model)
+        check_training_layout(model, getattr(torch, dtype))
     return model
 
 
@@ -225,4 +229,6 @@ def attach_lora(model: nn.Module, lora: LoRAConfig) -> Any:
         task_type="CAUSAL_LM",
         bias="none",
     )
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, config)

@@ -18,6 +18,7 @@ from lit_instruct.callbacks.fit_report import FitReport
 from lit_instruct.callbacks.rng_states import RestoreRNGStates
 from lit_instruct.callbacks.throughput import TokensPerSecond
 from lit_instruct.export import save_adapter
+from lit_instruct.four_bit import check_training_layout
 from lit_instruct.fsdp import (
     fill_from_rank_zero,
     full_tensor,
@@ -150,6 +151,8 @@ class InstructLoRAModule(L.LightningModule):
         self.model = attach_lora(base, self.lora_config)
         self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
         self.fused_layers = fuse_lora_layers(self.model, check=not on_meta) if fuse_lora else None
+        if self.quantization.method != "none":  # the build checks above ran eval forwards on it
+            check_training_layout(self.model, getattr(torch, self.quantization.compute_dtype))
         if gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
             self.base_model.gradient_checkpointing_enable({"use_reentrant": False})
             if checkpoint_layers is not None:

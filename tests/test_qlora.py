@@ -51,6 +51,46 @@ def test_nf4_base_stays_close_to_the_fp32_base(tiny_model_dir, tokenizer) -> Non
 
 
 @needs_bitsandbytes
+def test_4bit_layers_keep_their_trainable_layout_after_eval_forwards(tiny_model_dir, tokenizer) -> None:
+    """bitsandbytes >= 0.49 repacks 4-bit weights on an AVX512-BF16 CPU at the first no-grad eval
+    forward (our build checks run such forwards) into a layout with no input gradient: the gradient
+    through the base layer must still be the dequantized weight's (this machine has AVX512-BF16)."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    model = load_base_model(str(tiny_model_dir), quantization=NF4_FP32).eval()
+    with torch.no_grad():
+        model(**batch_of(tokenizer))
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.float32 and layer.weight.shape[1] == 1  # packed in the storage dtype
+
+    x = torch.randn(3, layer.in_features, requires_grad=True)
+    reference = x.detach().clone().requires_grad_()
+    layer.train()(x).square().sum().backward()
+    dense = dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    (reference @ dense.T).square().sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, reference.grad)
+
+
+@needs_bitsandbytes
+def test_a_4bit_layout_we_cannot_train_is_refused_by_name(tiny_model_dir) -> None:
+    from lit_instruct.four_bit import bitsandbytes_version, check_training_layout
+
+    model = load_base_model(str(tiny_model_dir), quantization=NF4_FP32)
+    check_training_layout(model, torch.float32)
+    weight = model.model.layers[1].self_attn.o_proj.weight
+    weight.data = weight.data.view(torch.uint8)  # the bytes bitsandbytes 0.49+ repacks to on the CPU
+    expected = (
+        rf"bitsandbytes {bitsandbytes_version()}: the 4-bit weight model.layers.1.self_attn.o_proj.weight "
+        r"\(and 0 more\) is stored as torch.uint8 .* install bitsandbytes>="
+    )
+    with pytest.raises(RuntimeError, match=expected):
+        check_training_layout(model, torch.float32)
+    with pytest.raises(RuntimeError, match="no layer of the model was quantized"):
+        check_training_layout(load_base_model(str(tiny_model_dir)), torch.float32)
+
+
+@needs_bitsandbytes
 def test_qlora_trains_only_the_adapters_on_cpu(tiny_model_dir, chat_file, tmp_path) -> None:
     module, data = make(tiny_model_dir, chat_file, quantization=NF4_FP32)
     data.batch_size = 6
