@@ -15,9 +15,13 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
+from packaging.version import Version
 from torch import nn
 
-TESTED_BITSANDBYTES = ">=0.45,<=0.50.2"
+OLDEST_BITSANDBYTES = "0.47"
+"""Older releases dequantize 4-bit weights on the CPU only from uint8 storage (and transformers 5
+needs 0.46.1): a base packed in the compute dtype, which FSDP shards, cannot run there."""
+TESTED_BITSANDBYTES = f">={OLDEST_BITSANDBYTES},<=0.50.2"
 """The bitsandbytes releases the QLoRA tests passed with (the lock file pins the newest)."""
 
 
@@ -28,12 +32,22 @@ def bitsandbytes_version() -> str:
         return "(not installed)"
 
 
+def require_bitsandbytes() -> None:
+    """Raise, naming the releases that work, unless a bitsandbytes we can train with is installed."""
+    found = bitsandbytes_version()
+    if found == "(not installed)" or Version(found) < Version(OLDEST_BITSANDBYTES):
+        raise RuntimeError(
+            f"bitsandbytes {found}: 4-bit (QLoRA) bases need bitsandbytes{TESTED_BITSANDBYTES} "
+            f"(pip install 'lit-instruct[qlora]' or 'bitsandbytes{TESTED_BITSANDBYTES}')"
+        )
+
+
 def keep_training_layout(model: nn.Module) -> None:
     """Switch off bitsandbytes' in-place CPU repacking of ``Linear4bit`` weights (0.49+; older
     releases have no such attribute and never repack)."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+            module.support_avx512bf16_for_cpu = False  # type: ignore[assignment]  # a plain bool there
 
 
 def check_training_layout(model: nn.Module, storage: torch.dtype) -> None:
@@ -51,7 +65,7 @@ def check_training_layout(model: nn.Module, storage: torch.dtype) -> None:
         if p.dtype != storage
         or p.dim() != 2
         or p.shape[1] != 1
-        or getattr(p.quant_state, "packing_format_for_cpu", False)
+        or getattr(getattr(p, "quant_state", None), "packing_format_for_cpu", False)
     ]
     if wrong:
         name, p = wrong[0]

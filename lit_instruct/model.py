@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lit_instruct.four_bit import check_training_layout, keep_training_layout
+from lit_instruct.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
 from lit_instruct.models import BUNDLED_MODELS
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -118,6 +118,7 @@ def load_base_model(
     if quantization is not None and quantization.method != "none":
         from transformers import BitsAndBytesConfig
 
+        require_bitsandbytes()
         dtype = quantization.compute_dtype
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,

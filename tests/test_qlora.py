@@ -90,6 +90,16 @@ def test_a_4bit_layout_we_cannot_train_is_refused_by_name(tiny_model_dir) -> Non
         check_training_layout(load_base_model(str(tiny_model_dir)), torch.float32)
 
 
+def test_a_bitsandbytes_too_old_for_the_compute_dtype_storage_is_refused_at_load(monkeypatch) -> None:
+    import lit_instruct.four_bit as four_bit
+
+    monkeypatch.setattr(four_bit, "version", lambda name: "0.46.1")  # what the environment would report
+    with pytest.raises(
+        RuntimeError, match=r"bitsandbytes 0.46.1: 4-bit \(QLoRA\) bases need bitsandbytes>=0.47"
+    ):
+        load_base_model("unused", quantization=NF4_FP32)
+
+
 @needs_bitsandbytes
 def test_qlora_trains_only_the_adapters_on_cpu(tiny_model_dir, chat_file, tmp_path) -> None:
     module, data = make(tiny_model_dir, chat_file, quantization=NF4_FP32)
