@@ -4,11 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no NVIDIA GPU: CPU parts only"
-make install
+make versions  # the lock, in .venv (VENV=path for another)
+py="${VENV:-.venv}/bin/python"
 if command -v nvidia-smi > /dev/null; then  # the peers timed against (best effort: skipped if missing)
-  python -m pip install --quiet liger-kernel || echo "liger-kernel not installed"
-  python -m pip install --quiet --no-deps 'cut-cross-entropy>=25.1' || echo "cut-cross-entropy not installed"
+  "$py" -m pip install --quiet liger-kernel || echo "liger-kernel not installed"
+  "$py" -m pip install --quiet --no-deps 'cut-cross-entropy>=25.1' || echo "cut-cross-entropy not installed"
 fi
-python -m pytest -q tests/test_fused_loss.py tests/test_fused_dtypes.py tests/test_varlen.py tests/test_packing.py \
+"$py" -m pytest -q tests/test_fused_loss.py tests/test_fused_dtypes.py tests/test_varlen.py tests/test_packing.py \
   tests/test_qlora.py tests/test_strategy.py
-python benchmarks/gpu_check.py
+"$py" benchmarks/gpu_check.py
