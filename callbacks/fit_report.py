@@ -100,6 +100,10 @@ class FitReport(L.Callback):
             "model/base_bytes": float(base["total"]),
             "model/quantized_linear_bytes": float(base["quantized_linear"]),
         }
+        coverage = getattr(getattr(pl_module, "model", None), "lora_coverage", None)
+        if coverage is not None:  # where the adapters are (lit_instruct.lora_targets)
+            rank_zero_info(f"lit-instruct: {coverage.line()}")
+            metrics.update(coverage.hparams())
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=0)
 

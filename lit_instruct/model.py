@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lit_instruct.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
+from lit_instruct.lora_targets import check_coverage, lora_targets
 from lit_instruct.models import BUNDLED_MODELS
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -49,10 +50,14 @@ class LoRAConfig:
     """Dropout on the adapter input."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     """Names of the linear layers that get adapters; ``["all-linear"]`` (the default) is every linear
-    layer of the decoder but the output head, fused projections (``qkv_proj``, ``gate_up_proj``) and
-    routers included, plus the 3-D expert weights of MoE layers."""
+    layer of the decoder but the output head (fused ``qkv_proj`` / ``gate_up_proj`` and GPT-2's
+    ``Conv1D`` included; routers and Mamba ``out_proj`` left out, by name), plus the 3-D expert
+    weights of MoE layers."""
     use_rslora: bool = False
     """Rank-stabilized LoRA scaling (alpha / sqrt(r))."""
+    allow_partial: bool = False
+    """Train even when peft could not put an adapter on every module asked for (they are named in
+    the coverage line); otherwise that is an error at build."""
 
 
 @dataclass
@@ -175,61 +180,29 @@ def _quant_state_bytes(state: object) -> int:
     return size + (_quant_state_bytes(nested) if nested is not None else 0)
 
 
-def expert_parameters(model: nn.Module) -> list[str]:
-    """``module.parameter`` suffixes of the 3-D expert weights of MoE layers (e.g.
-    ``experts.gate_up_proj``): no ``nn.Linear`` holds them, so ``all-linear`` alone would miss them."""
-    found = {
-        f"{module_name.rsplit('.', 1)[-1]}.{name}"
-        for module_name, module in model.named_modules()
-        for name, p in module.named_parameters(recurse=False)
-        if p.dim() == 3 and not isinstance(module, nn.Conv1d)
-    }
-    return sorted(found)
-
-
-MAMBA_NO_LORA = {"out_proj"}
-"""Linear layers of Mamba mixers that peft refuses to adapt (their fused kernels read the weight)."""
-
-
-def all_linear_names(model: Any) -> list[str]:
-    """Leaf names of every linear layer of the decoder (fused ``qkv_proj`` / ``gate_up_proj``,
-    routers and bnb 4-bit layers included), the output head excluded."""
-    head = model.get_output_embeddings()
-    names = {
-        name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not head
-    }
-    if any(
-        isinstance(getattr(module, "conv1d", None), nn.Conv1d) for module in model.modules()
-    ):  # SSM mixers
-        names -= MAMBA_NO_LORA
-    return sorted(names)
-
-
 def attach_lora(model: nn.Module, lora: LoRAConfig) -> Any:
     """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen.
 
-    ``target_modules: [all-linear]`` adapts every linear layer but the output head
-    (:func:`all_linear_names`) and every 3-D expert weight (peft's ``target_parameters``).
+    ``target_modules: [all-linear]`` adapts every linear layer but the output head and every 3-D
+    expert weight (peft's ``target_parameters``). What peft adapted is then checked against what was
+    asked (:mod:`lit_instruct.lora_targets`): a shortfall raises unless ``lora.allow_partial``; the
+    result is the returned model's ``lora_coverage``.
     """
     from peft import LoraConfig, get_peft_model
 
-    targets: list[str] | str = lora.target_modules
-    experts: list[str] | None = None
-    if targets in (["all-linear"], "all-linear"):
-        targets = all_linear_names(model)
-        experts = expert_parameters(model) or None
+    targets = lora_targets(model, lora.target_modules)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, takes any number
         lora_dropout=lora.dropout,
-        target_modules=targets,
-        target_parameters=experts,
+        target_modules=targets.peft_modules,
+        target_parameters=targets.peft_parameters or None,
         use_rslora=lora.use_rslora,
         task_type="CAUSAL_LM",
         bias="none",
     )
     with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        return get_peft_model(model, config)
+        peft_model: Any = get_peft_model(model, config)
+    peft_model.lora_coverage = check_coverage(peft_model, targets, lora.allow_partial)
+    return peft_model

@@ -18,7 +18,7 @@ from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.logits import IDENTITY
 from lit_instruct.loss.reference import reference_linear_cross_entropy
-from lit_instruct.model import LoRAConfig, expert_parameters, load_base_model
+from lit_instruct.model import LoRAConfig, load_base_model
 from lit_instruct.module import InstructLoRAModule
 from lit_instruct.output_head import (
     OutputHead,
@@ -136,8 +136,14 @@ def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> N
     experts = [n for n, p in base.named_parameters() if p.dim() == 3 and "conv1d" not in n]
     adapted = [n for n, _ in module.model.named_modules() if n.endswith("lora_A")]
     assert len(adapted) == len(linears) - len(mamba_out) + len(experts)
-    assert bool(experts) == (name == "mixtral") == bool(expert_parameters(base))
+    assert bool(experts) == (name == "mixtral")
     assert not any("lm_head" in n for n in adapted)
+    coverage = module.model.lora_coverage  # the build-time check counts the same
+    assert not coverage.missing_modules and not coverage.missing_parameters
+    assert (len(coverage.targets.modules), len(coverage.targets.parameters)) == (
+        len(linears) - len(mamba_out),
+        len(experts),
+    )
 
 
 def test_generation_follows_the_training_logits(family) -> None:

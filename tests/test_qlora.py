@@ -125,6 +125,7 @@ def test_qlora_trains_only_the_adapters_on_cpu(tiny_model_dir, chat_file, tmp_pa
     assert float(logged["model/base_bytes"]) == expected["total"]
     assert 0 < float(logged["model/quantized_linear_bytes"]) == expected["quantized_linear"]
     assert float(logged["model/trainable_params"]) == sum(p.numel() for p in lora.values())
+    assert float(logged["model/lora_linear_adapted"]) == float(logged["model/lora_linear_asked"]) == 2 * 7
 
     assert after[1] == before[1]
     # On this random 2-layer model LoRA r=4 moves the loss slowly (fp32 LoRA: 10.82 -> 10.23 nats,

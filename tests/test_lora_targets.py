@@ -1,0 +1,137 @@
+"""Where LoRA lands: every linear layer and expert weight asked for, or an error naming what peft
+left out; routers and Mamba ``out_proj`` left out by name; GPT-2's ``Conv1D`` counted."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from lit_instruct.lora_targets import LoRACoverageError, _peft_names
+from lit_instruct.model import LoRAConfig, attach_lora
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2)
+FAMILIES = {
+    "gpt2": (
+        "GPT2Config",
+        dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
+    ),
+    "phimoe": ("PhimoeConfig", {**COMMON, **ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            **COMMON,
+            **ATTENTION,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            **COMMON,
+            **ATTENTION,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+}
+
+
+def tiny(name: str) -> torch.nn.Module:
+    config_class, kwargs = FAMILIES[name]
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
+
+
+def lora_gradients_after_a_step(model) -> dict[str, torch.Tensor | None]:
+    with torch.no_grad():  # non-zero B: every adapter's A gets a gradient too
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    ids = torch.randint(0, 128, (2, 7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_gpt2_conv1d_layers_are_adapted() -> None:
+    model = attach_lora(tiny("gpt2"), LoRAConfig(r=4))
+    coverage = model.lora_coverage
+    assert coverage.targets.modules == [
+        f"transformer.h.{i}.{name}"
+        for i in (0, 1)
+        for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    ]
+    assert coverage.line() == "LoRA: 8 of 8 linear layers"
+    grads = lora_gradients_after_a_step(model)
+    assert len(grads) == 16 and all(g is not None and g.abs().max() > 0 for g in grads.values())
+
+
+def test_a_router_is_left_out_by_name_and_the_model_trains() -> None:
+    model = attach_lora(tiny("phimoe"), LoRAConfig(r=4))
+    coverage = model.lora_coverage
+    assert coverage.targets.left_out == {
+        "PhimoeTopKRouter (its forward is not a plain linear layer: a router)": [
+            "model.layers.0.mlp.router",
+            "model.layers.1.mlp.router",
+        ]
+    }
+    assert coverage.line().startswith(
+        "LoRA: 8 of 8 linear layers, 4 of 4 expert weights (left out: PhimoeTopKRouter"
+    )
+    grads = lora_gradients_after_a_step(model)  # a LoRA layer around the router failed here
+    assert grads and all(g is not None for g in grads.values())
+
+
+def test_modules_peft_renames_into_experts_are_an_error_or_named_when_partial_is_allowed() -> None:
+    dense = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    shared = [f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    with pytest.raises(LoRACoverageError) as refused:
+        attach_lora(tiny("deepseek_v3"), LoRAConfig(r=4))
+    message = str(refused.value)
+    assert message.startswith("LoRA: 10 of 16 linear layers, 2 of 2 expert weights: no adapter on ")
+    assert all(name in message for name in dense + shared)
+    assert "for deepseek_v3 models" in message and "model.lora.allow_partial: true" in message
+
+    model = attach_lora(tiny("deepseek_v3"), LoRAConfig(r=4, allow_partial=True))
+    assert model.lora_coverage.missing_modules == dense + shared
+    assert model.lora_coverage.hparams()["model/lora_linear_adapted"] == 10.0
+    assert all(g is not None for g in lora_gradients_after_a_step(model).values())
+
+
+def test_a_linear_attention_out_proj_is_adapted() -> None:
+    model = attach_lora(tiny("qwen3_next"), LoRAConfig(r=4, allow_partial=True))  # shared experts: as above
+    coverage = model.lora_coverage
+    assert "model.layers.0.linear_attn.out_proj" in coverage.targets.modules
+    assert "model.layers.0.linear_attn.out_proj" in model.base_model.targeted_module_names
+    assert not coverage.targets.left_out
+
+
+def test_peft_gets_leaf_names_only_where_they_match_exactly_what_is_asked() -> None:
+    names = ["layers", "layers.0", "layers.0.q_proj", "layers.0.altup.0", "layers.1", "layers.1.q_proj"]
+    assert _peft_names(names, ["layers.0.q_proj", "layers.1.q_proj"]) == ["q_proj"]
+    # "0" would also match the decoder layer "layers.0"
+    assert _peft_names(names, ["layers.0.altup.0"]) == ["layers.0.altup.0"]
