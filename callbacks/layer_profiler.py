@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lit_instruct.callbacks.shared import figure, log_dir, log_image
+from lit_instruct.decoder import decoder_of
 
 PHASES = ("forward", "loss", "lm_head_backward", "layer_backward", "optimizer", "step")
 """Step phases: decoder trunk forward; loss (with a fused loss, its in-forward lm_head backward too);
@@ -56,7 +57,7 @@ class _Clock:
 def decoder_layers(pl_module: L.LightningModule) -> tuple[nn.Module, nn.ModuleList]:
     """The decoder trunk (embeddings to final norm) and its list of layers."""
     model: Any = getattr(pl_module, "base_model", pl_module)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder = decoder_of(model) if hasattr(model, "get_decoder") else model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"LayerProfiler found no `layers` ModuleList in {type(decoder).__name__}")

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lit_instruct.decoder import decoder_of
+
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (a shard of a tensor spread over ranks)."""
@@ -60,7 +62,7 @@ def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> Non
     """
     from torch.distributed.fsdp import fully_shard
 
-    decoder = base.get_decoder()
+    decoder = decoder_of(base)
     head = base.get_output_embeddings()
     tied = head is not None and head.weight is decoder.get_input_embeddings().weight
     for layer in decoder.layers:

@@ -17,6 +17,7 @@ from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.callbacks.fit_report import FitReport
 from lit_instruct.callbacks.rng_states import RestoreRNGStates
 from lit_instruct.callbacks.throughput import TokensPerSecond
+from lit_instruct.decoder import decoder_of
 from lit_instruct.export import save_adapter
 from lit_instruct.four_bit import check_training_layout
 from lit_instruct.fsdp import (
@@ -156,12 +157,12 @@ class InstructLoRAModule(L.LightningModule):
         if gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
             self.base_model.gradient_checkpointing_enable({"use_reentrant": False})
             if checkpoint_layers is not None:
-                for layer in self.base_model.get_decoder().layers[checkpoint_layers:]:
+                for layer in decoder_of(self.base_model).layers[checkpoint_layers:]:
                     layer.gradient_checkpointing = False
         elif checkpoint_layers is not None:
             raise ValueError("model.checkpoint_layers needs model.gradient_checkpointing: true")
         if compile_layers:
-            for layer in self.base_model.get_decoder().layers:
+            for layer in decoder_of(self.base_model).layers:
                 layer.compile(dynamic=True)
         self.loss_fn: LossFn = reference_linear_cross_entropy
         self.window = TokenWindow()
@@ -227,7 +228,7 @@ class InstructLoRAModule(L.LightningModule):
         A packed batch (:class:`~lit_instruct.data.collate.PackCollator`) has no attention mask but
         position ids and sample boundaries; its attention then runs sample by sample.
         """
-        decoder = self.base_model.get_decoder()
+        decoder = decoder_of(self.base_model)
         extra: dict[str, Any] = {}
         if "packed_segments" in batch:
             if not self.packing:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_instruct.decoder import decoder_of
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
 
 
@@ -169,7 +170,7 @@ def check_against_model_logits(model: Any, head: OutputHead, tokens: int = 8) ->
     model.eval()
     try:
         expected = model(input_ids=ids, use_cache=False).logits.float()
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        hidden = decoder_of(model)(input_ids=ids, use_cache=False).last_hidden_state
         ours = head.transform(nn.functional.linear(hidden, weight, head.bias).float())
     finally:
         model.train(was_training)

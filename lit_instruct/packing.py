@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from lit_instruct.decoder import decoder_of
+
 PACKED_ATTENTION = {"sdpa": "lit_packed_sdpa", "eager": "lit_packed_eager"}
 """The model's attention implementation -> its packing-aware wrapper (registered in transformers)."""
 
@@ -235,7 +237,7 @@ def enable_packing(model: Any, lengths: Sequence[int] = (5, 3), check: bool = Tr
     if not check:  # a weightless (meta) copy of a model checked elsewhere
         model.set_attn_implementation(PACKED_ATTENTION[own])
         return
-    decoder = model.get_decoder()
+    decoder = decoder_of(model)
     device = next(model.parameters()).device
     segments = (0, *itertools.accumulate(lengths))
     ids = (torch.arange(segments[-1], device=device) * 7 + 3) % model.config.get_text_config().vocab_size

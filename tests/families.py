@@ -66,6 +66,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_chunk_size": 8,
         },
     ),
+    "gpt2": (  # Conv1D layers; dropout off so that train-mode passes are comparable
+        "GPT2Config",
+        {
+            "n_inner": 96,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+        },
+    ),
+    "llama4": (  # MoE with a shared expert and a router that is not a plain linear layer
+        "Llama4TextConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 96, "head_dim": 16},
+    ),
     "mixtral": (
         "MixtralConfig",
         {

@@ -26,7 +26,14 @@ def test_config_parses_and_prints_a_complete_config(config: Path, capsys, tmp_pa
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["model"] == "smollm2-135m-instruct"
     assert "tokenizer" not in printed["data"]  # linked: always the tokenizer of model.model
-    assert set(printed["model"]["lora"]) == {"r", "alpha", "dropout", "target_modules", "use_rslora"}
+    assert set(printed["model"]["lora"]) == {
+        "r",
+        "alpha",
+        "dropout",
+        "target_modules",
+        "use_rslora",
+        "allow_partial",
+    }
 
     # The printed config is itself a valid config.
     again = tmp_path / "printed.yaml"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.render import Sample
@@ -131,17 +132,18 @@ def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> N
     name, module = family
     base = load_base_model(module.hparams.model)
     head = base.get_output_embeddings()
-    linears = [n for n, m in base.named_modules() if isinstance(m, nn.Linear) and m is not head]
-    mamba_out = [n for n in linears if n.endswith("mamba.out_proj")]  # peft refuses these
+    linears = [n for n, m in base.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head]
+    left_out = [n for n in linears if n.endswith(("mamba.out_proj", ".router"))]  # peft refuses; routing
     experts = [n for n, p in base.named_parameters() if p.dim() == 3 and "conv1d" not in n]
     adapted = [n for n, _ in module.model.named_modules() if n.endswith("lora_A")]
-    assert len(adapted) == len(linears) - len(mamba_out) + len(experts)
-    assert bool(experts) == (name == "mixtral")
+    assert len(adapted) == len(linears) - len(left_out) + len(experts)
+    assert bool(experts) == (name in {"mixtral", "llama4"})
+    assert bool(left_out) == (name in {"falcon_h1", "llama4"})
     assert not any("lm_head" in n for n in adapted)
     coverage = module.model.lora_coverage  # the build-time check counts the same
     assert not coverage.missing_modules and not coverage.missing_parameters
     assert (len(coverage.targets.modules), len(coverage.targets.parameters)) == (
-        len(linears) - len(mamba_out),
+        len(linears) - len(left_out),
         len(experts),
     )
 
