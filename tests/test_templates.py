@@ -45,6 +45,14 @@ MISTRAL = (  # v0.3 style: the system prompt goes in front of the LAST user mess
     "[INST] {{ system }}\n\n{{ m['content'] }}[/INST]{% else %}[INST] {{ m['content'] }}[/INST]{% endif %}"
     "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
 )
+MISTRAL_V3 = (  # Mistral-7B-Instruct-v0.3's own: the system prompt only in a user message that is last
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}"
+    "{{ bos_token }}{% for m in loop_messages %}{% if m['role'] == 'user' %}"
+    "{% if loop.last and system is defined %}[INST] {{ system }}\n\n{{ m['content'] }}[/INST]"
+    "{% else %}[INST] {{ m['content'] }}[/INST]{% endif %}"
+    "{% else %} {{ m['content'] | trim }}{{ eos_token }}{% endif %}{% endfor %}"
+)
 PHI3 = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% else %}{{ eos_token }}{% endif %}"
@@ -528,5 +536,28 @@ def test_reasoning_content_is_rendered_as_the_template_renders_it(tokenizer) -> 
             ),
             ("<think>\nadd again\n</think>\n\n6<|im_end|>", True),
             ("\n", False),
+        ],
+    )
+
+
+@pytest.mark.parametrize("multi_turn", ["auto", "per_turn", "joint"])
+def test_a_template_that_moves_the_context_once_the_answer_follows_is_refused(tokenizer, multi_turn) -> None:
+    """Mistral v0.3's template drops the system prompt from a conversation that ends with an answer:
+    the answer would start inside the user's text. Without a system prompt it labels exactly."""
+    tok = family_tokenizer(tokenizer, "mistral")
+    renderer = ChatRenderer(tok, 512, chat_template=MISTRAL_V3, multi_turn=multi_turn)
+    with pytest.raises(
+        DataError, match=r"chat\.jsonl:7: messages\[2\]: the chat template renders"
+    ) as refused:
+        renderer(rec(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")))
+    assert refused.value.reason == "template_moves_context"
+    check(
+        renderer,
+        rec(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"), ("assistant", "Ciao")),
+        [
+            ("<|im_start|>[INST] Hi[/INST]", False),
+            (" Hello<|im_end|>", True),
+            ("[INST] Bye[/INST]", False),
+            (" Ciao<|im_end|>", True),
         ],
     )

@@ -178,6 +178,7 @@ class ChatRenderer:
                 )
             through = self._render(record, i + 1)
             start = common_prefix_length(self._render(record, i, add_generation_prompt=True), through)
+            self._check_context_before(record, i, start)
             ids, offsets = self._encode(through)
             # the answer ends with the first special token after its start (the end-of-turn marker)
             end = next(
@@ -190,6 +191,27 @@ class ChatRenderer:
             )
             turns.append(AnswerTurn(through, ids, offsets, start, end, message.train))
         return turns
+
+    def _check_context_before(self, record: Record, i: int, start: int) -> None:
+        """Refuse answer ``i`` when its span would start before the end of the message in front of
+        it: the template renders the conversation differently once the answer follows (Mistral
+        v0.3's moves the system prompt into the last user message only while that message is last),
+        so where the generation prompt and the full rendering part ways is inside the user's text.
+
+        Raises:
+            DataError: (``template_moves_context``) naming the record and the turn.
+        """
+        previous = record.messages[i - 1].content.strip()
+        where = self._render(record, i).rfind(previous) if previous else -1
+        if where >= 0 and where + len(previous) > start:
+            raise DataError(
+                record.source,
+                f"messages[{i}]: the chat template renders the conversation before this answer "
+                "differently once the answer follows it (it moves or drops a system prompt or an earlier "
+                "message), so the answer's tokens cannot be told from the context's; set a chat_template "
+                "that renders earlier turns the same way, or leave out the system prompt",
+                reason="template_moves_context",
+            )
 
     def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of ``text`` and their character offsets."""
