@@ -214,11 +214,29 @@ def attention_implementation(model: Any) -> str:
     return model.config._attn_implementation
 
 
+WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")
+"""Config fields that bound how far attention reaches (a sliding window, Llama 4's chunks)."""
+
+
+def check_lengths(model: Any) -> tuple[int, int]:
+    """Lengths of the two samples of the build check: each longer than every attention window the
+    config names (a model that applies its window through the mask alone, not through the attention
+    call's arguments, passes a check on shorter rows and packs longer ones wrongly), within the
+    model's context."""
+    config = model.config.get_text_config()
+    fields = WINDOW_FIELDS if getattr(config, "use_sliding_window", True) else WINDOW_FIELDS[1:]  # Qwen2
+    windows = [getattr(config, field, None) for field in fields]
+    window = max((w for w in windows if isinstance(w, int) and w > 0), default=2)
+    context = getattr(config, "max_position_embeddings", None) or window + 3
+    return min(window + 3, context), min(window + 1, context)
+
+
 @torch.no_grad()
-def enable_packing(model: Any, lengths: Sequence[int] = (5, 3), check: bool = True) -> None:
-    """Switch ``model`` to the packing-aware wrapper of its attention, after checking on a few
-    tokens (eval mode) that a packed row gives the hidden states of its samples run alone through
-    the model's own attention, so that nothing but attention mixes tokens across samples.
+def enable_packing(model: Any, lengths: Sequence[int] | None = None, check: bool = True) -> None:
+    """Switch ``model`` to the packing-aware wrapper of its attention, after checking (eval mode)
+    that a packed row of two samples, each longer than any attention window of the model
+    (:func:`check_lengths`), gives the hidden states of the samples run alone through the model's
+    own attention, so that nothing but attention mixes tokens across samples.
 
     Raises:
         UnsupportedModelError: naming the model, when its attention implementation cannot run per
@@ -239,6 +257,7 @@ def enable_packing(model: Any, lengths: Sequence[int] = (5, 3), check: bool = Tr
         return
     decoder = decoder_of(model)
     device = next(model.parameters()).device
+    lengths = lengths or check_lengths(model)
     segments = (0, *itertools.accumulate(lengths))
     ids = (torch.arange(segments[-1], device=device) * 7 + 3) % model.config.get_text_config().vocab_size
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])

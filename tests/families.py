@@ -79,7 +79,22 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "llama4": (  # MoE with a shared expert and a router that is not a plain linear layer
         "Llama4TextConfig",
-        {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 96, "head_dim": 16},
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 96,
+            "head_dim": 16,
+            "attention_chunk_size": WINDOW,
+        },
+    ),
+    "phimoe": (  # its sliding window is applied through the attention mask only; router not linear
+        "PhimoeConfig",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": WINDOW,
+            "router_jitter_noise": 0.0,
+        },
     ),
     "mixtral": (
         "MixtralConfig",

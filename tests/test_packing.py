@@ -123,3 +123,20 @@ def test_attention_implementation_reads_what_transformers_sets(tiny_model_dir) -
     assert attention_implementation(module.base_model) == "sdpa"
     packed, _ = make(tiny_model_dir, tiny_model_dir, packing=True)
     assert attention_implementation(packed.base_model) == PACKED_ATTENTION["sdpa"]
+
+
+def test_the_build_check_runs_samples_longer_than_every_window_the_config_names() -> None:
+    from types import SimpleNamespace
+
+    import transformers
+
+    from lit_instruct.packing import check_lengths
+
+    def lengths(config_class: str, **kwargs) -> tuple[int, int]:
+        return check_lengths(SimpleNamespace(config=getattr(transformers, config_class)(**kwargs)))
+
+    assert lengths("LlamaConfig") == (5, 3)  # no window
+    assert lengths("MistralConfig", sliding_window=64) == (67, 65)
+    assert lengths("Llama4TextConfig", attention_chunk_size=16) == (19, 17)  # chunked attention
+    assert lengths("Qwen2Config", sliding_window=64, use_sliding_window=False) == (5, 3)  # window off
+    assert lengths("MistralConfig", sliding_window=4096, max_position_embeddings=1024) == (1024, 1024)
