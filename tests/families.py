@@ -96,6 +96,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "router_jitter_noise": 0.0,
         },
     ),
+    "seed_oss": (  # residual dropout off: train-mode passes comparable (with it, the fused MLP falls back)
+        "SeedOssConfig",
+        {"head_dim": 16, "residual_dropout": 0.0, "attention_dropout": 0.0},
+    ),
     "mixtral": (
         "MixtralConfig",
         {
