@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/lit-instruct-demo-memory"))
     parser.add_argument("fit_args", nargs="*", help="extra `lit-instruct fit` arguments (after --)")
     args = parser.parse_args()
-    subprocess.run(["rm", "-rf", str(args.dir)], check=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
     env = {
         **os.environ,
         "LIT_INSTRUCT_CACHE": str(args.dir / "cache"),  # an empty cache: prepare and tokenize from scratch
@@ -96,8 +97,8 @@ def main() -> None:
     }
     _, prepare_peak = run([sys.executable, "-m", "lit_instruct", "prepare"], env)
     fit = [sys.executable, "-m", "lit_instruct", "fit", "--config", "configs/quickstart.yaml"]
-    fit.append("--trainer.callbacks+=demo_memory.PhasePeaks")
-    output, _ = run([*fit, *args.fit_args], env)  # its own peak: the resets lowered it (phases below)
+    fit += ["--trainer.callbacks+=demo_memory.PhasePeaks", *args.fit_args]
+    output, _ = run(fit, env)  # its own peak: the resets lowered it (phases below)
 
     peaks: dict[str, int] = {}  # phase -> its highest peak
     rises: dict[str, tuple[int, str]] = {}  # phase -> its highest rise, and that step's batch shape

@@ -18,8 +18,7 @@ from typing import Any
 from torch import nn
 
 MAMBA_MODEL_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
-"""Model types whose ``out_proj`` and ``conv1d`` peft refuses to adapt (its own list)."""
-MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+"""Model types whose ``out_proj`` (and ``conv1d``, no linear layer) peft refuses to adapt (its list)."""
 PEFT_MOE_RENAMED = frozenset({"gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3"})
 """Target names peft's transformers-v4 MoE conversion turns into the experts' fused weights."""
 
@@ -72,7 +71,7 @@ def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
     for name, module in model.named_modules():
         if not is_linear(module) or module is head:
             continue
-        if mamba and name.rsplit(".", 1)[-1] in MAMBA_REFUSED:
+        if mamba and name.rsplit(".", 1)[-1] == "out_proj":
             reason = "Mamba out_proj (peft refuses it: the fused Mamba kernels read its weight)"
         elif not _plain(module):
             reason = f"{type(module).__name__} (its forward is not a plain linear layer: a router)"

@@ -112,16 +112,59 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_family(name: str, vocab_size: int, path: Path) -> Path:
-    """Save a tiny random model of family ``name`` to ``path`` and return it."""
+PARTIAL_LORA: dict[str, tuple[str, dict[str, Any]]] = {
+    # MoE models whose dense MLP or shared expert peft renames into expert targets: LoRA refused
+    # unless allow_partial (lit_instruct.lora_targets)
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+}
+
+
+def tiny_model(name: str, vocab_size: int) -> torch.nn.Module:
+    """A tiny random model of family ``name`` (of :data:`FAMILIES` or :data:`PARTIAL_LORA`)."""
     import transformers
 
-    config_class, extra = FAMILIES[name]
+    config_class, extra = {**FAMILIES, **PARTIAL_LORA}[name]
     config = getattr(transformers, config_class)(vocab_size=vocab_size, **{**COMMON, **extra})
     config.tie_word_embeddings = False
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # spread the head's weights so the logit transforms bend
         model.get_output_embeddings().weight.normal_(0.0, 0.2)
-    model.save_pretrained(path)
+    return model
+
+
+def build_family(name: str, vocab_size: int, path: Path) -> Path:
+    """Save a tiny random model of family ``name`` to ``path`` and return it."""
+    tiny_model(name, vocab_size).save_pretrained(path)
     return path

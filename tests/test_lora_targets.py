@@ -7,64 +7,18 @@ import warnings
 
 import pytest
 import torch
-import transformers
 
 from lit_instruct.lora_targets import LoRACoverageError, _peft_names
 from lit_instruct.model import LoRAConfig, attach_lora
+from tests.families import tiny_model
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
-ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2)
-FAMILIES = {
-    "gpt2": (
-        "GPT2Config",
-        dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
-    ),
-    "phimoe": ("PhimoeConfig", {**COMMON, **ATTENTION, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "deepseek_v3": (
-        "DeepseekV3Config",
-        {
-            **COMMON,
-            **ATTENTION,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "first_k_dense_replace": 1,
-            "moe_intermediate_size": 32,
-            "n_shared_experts": 1,
-            "kv_lora_rank": 16,
-            "q_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 8,
-            "v_head_dim": 16,
-            "n_group": 1,
-            "topk_group": 1,
-        },
-    ),
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        {
-            **COMMON,
-            **ATTENTION,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-        },
-    ),
-}
+VOCAB = 128
 
 
 def tiny(name: str) -> torch.nn.Module:
-    config_class, kwargs = FAMILIES[name]
-    torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs))
+        return tiny_model(name, VOCAB)
 
 
 def lora_gradients_after_a_step(model) -> dict[str, torch.Tensor | None]:
@@ -72,7 +26,7 @@ def lora_gradients_after_a_step(model) -> dict[str, torch.Tensor | None]:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.05)
-    ids = torch.randint(0, 128, (2, 7))
+    ids = torch.randint(0, VOCAB, (2, 7))
     model(input_ids=ids, labels=ids).loss.backward()
     return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
