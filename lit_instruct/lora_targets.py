@@ -8,6 +8,13 @@ layer around them fails), and the ``out_proj`` of Mamba mixers, which peft refus
 types (their fused kernels read the weight). After peft has attached the adapters, what it adapted is
 compared with what was asked: a shortfall is an error that names the modules, never a silently
 partial adapter.
+
+peft rewrites targets named like the experts of transformers 4 (``gate_proj``, ``up_proj``,
+``down_proj``, ``gate``, ``w1``-``w3``) into the fused expert weights of transformers 5 for some MoE
+model types (DeepSeek, Qwen-MoE, Mixtral patterns), at training and at load, so a dense MLP or
+shared expert so named could never carry a module adapter. Those layers are adapted through their
+weight instead (peft's ``target_parameters``, which that rewrite leaves alone): the same update
+``W + s * B @ A``, saved and loaded back by peft under the same names.
 """
 
 from __future__ import annotations
@@ -34,6 +41,13 @@ class LoRATargets:
 
     modules: list[str]
     parameters: list[str] = field(default_factory=list)
+    by_weight: list[str] = field(default_factory=list)
+    """Linear layers adapted through their weight (names peft would rewrite into expert targets)."""
+    stuck: list[str] = field(default_factory=list)
+    """Layers so named that cannot be adapted through their weight (4-bit ones): not given to peft,
+    so the coverage check names them."""
+    peft_renamed: frozenset[str] = frozenset()
+    """The target names peft rewrites into expert weights for this model."""
     left_out: dict[str, list[str]] = field(default_factory=dict)
     peft_modules: list[str] = field(default_factory=list)
     peft_parameters: list[str] = field(default_factory=list)
@@ -64,7 +78,11 @@ def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
     names = [name for name, _ in model.named_modules() if name]
     if target_modules not in (["all-linear"], "all-linear"):
         asked = [name for name in names if any(_matches(name, t) for t in target_modules)]
-        return LoRATargets(modules=asked, peft_modules=list(target_modules))
+        targets = LoRATargets(modules=asked, peft_modules=list(target_modules))
+        _adapt_renamed_by_weight(model, targets)
+        if targets.by_weight or targets.stuck:
+            targets.peft_modules = _peft_names(names, [n for n in targets.modules if n not in targets.stuck])
+        return targets
     head = model.get_output_embeddings()
     mamba = getattr(model.config, "model_type", None) in MAMBA_MODEL_TYPES
     targets = LoRATargets(modules=[])
@@ -87,8 +105,44 @@ def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
     }
     targets.parameters = sorted(experts)
     targets.peft_parameters = sorted(set(experts.values()))
-    targets.peft_modules = _peft_names(names, targets.modules)
+    _adapt_renamed_by_weight(model, targets)
+    targets.peft_modules = _peft_names(names, [n for n in targets.modules if n not in targets.stuck])
     return targets
+
+
+def peft_renamed_targets(model: Any) -> frozenset[str]:
+    """The target names peft rewrites into expert weights for ``model`` (empty for most models):
+    peft's own conversion, run on a probe config."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers,
+            get_model_conversion_mapping,
+        )
+    except ImportError:  # a peft without the transformers-5 rewrite
+        return frozenset()
+    probe = LoraConfig(target_modules=sorted(PEFT_MOE_RENAMED))
+    convert_peft_config_for_transformers(probe, model=model, conversions=get_model_conversion_mapping(model))
+    return PEFT_MOE_RENAMED - set(probe.target_modules or ())
+
+
+def _adapt_renamed_by_weight(model: Any, targets: LoRATargets) -> None:
+    """Move the full-precision ``nn.Linear`` targets peft would rewrite to ``target_parameters``;
+    others so named (4-bit layers) are kept from peft, and the coverage check names them."""
+    renamed = targets.peft_renamed = peft_renamed_targets(model) if targets.modules else frozenset()
+    if not renamed:
+        return
+    modules = dict(model.named_modules())
+    for name in list(targets.modules):
+        module = modules[name]
+        if name.rsplit(".", 1)[-1] not in renamed:
+            continue
+        if type(module) is nn.Linear:
+            targets.modules.remove(name)
+            targets.by_weight.append(name)
+        else:
+            targets.stuck.append(name)
+    targets.peft_parameters += [f"{name}.weight" for name in targets.by_weight]
 
 
 def _peft_names(names: list[str], asked: list[str]) -> list[str]:
@@ -116,7 +170,8 @@ class LoRACoverage:
     def line(self) -> str:
         """``LoRA: 14 of 14 linear layers, 4 of 4 expert weights (left out: ...)``."""
         t = self.targets
-        text = f"LoRA: {len(t.modules) - len(self.missing_modules)} of {len(t.modules)} linear layers"
+        asked = len(t.modules) + len(t.by_weight)
+        text = f"LoRA: {asked - len(self.missing_modules)} of {asked} linear layers"
         if t.parameters:
             adapted = len(t.parameters) - len(self.missing_parameters)
             text += f", {adapted} of {len(t.parameters)} expert weights"
@@ -125,9 +180,10 @@ class LoRACoverage:
 
     def hparams(self) -> dict[str, float]:
         t = self.targets
+        asked = len(t.modules) + len(t.by_weight)
         return {
-            "model/lora_linear_asked": float(len(t.modules)),
-            "model/lora_linear_adapted": float(len(t.modules) - len(self.missing_modules)),
+            "model/lora_linear_asked": float(asked),
+            "model/lora_linear_adapted": float(asked - len(self.missing_modules)),
             "model/lora_expert_weights_asked": float(len(t.parameters)),
             "model/lora_expert_weights_adapted": float(len(t.parameters) - len(self.missing_parameters)),
             "model/lora_left_out": float(sum(len(names) for names in t.left_out.values())),
@@ -142,19 +198,20 @@ def check_coverage(peft_model: Any, targets: LoRATargets, allow_partial: bool = 
     adapted_parameters = set(getattr(tuner, "targeted_parameter_names", []))
     coverage = LoRACoverage(
         targets,
-        [name for name in targets.modules if name not in adapted],
+        [name for name in targets.modules if name not in adapted]
+        + [name for name in targets.by_weight if f"{name}.weight" not in adapted_parameters],
         [name for name in targets.parameters if name not in adapted_parameters],
     )
     missing = coverage.missing_modules + coverage.missing_parameters
     if missing and not allow_partial:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         cause = ""
-        if targets.parameters and {n.rsplit(".", 1)[-1] for n in missing} <= PEFT_MOE_RENAMED:
+        if targets.peft_renamed and {n.rsplit(".", 1)[-1] for n in missing} <= targets.peft_renamed:
             cause = (
-                f" (peft turns targets named {', '.join(sorted(PEFT_MOE_RENAMED))} into the experts' fused "
-                f"weights for {getattr(peft_model.config, 'model_type', 'this')} models, its conversion for "
-                "adapters written for transformers 4, so no other module of those names can get an adapter "
-                "that peft would load back)"
+                f" (peft turns targets named {', '.join(sorted(targets.peft_renamed))} into the experts' "
+                f"fused weights for {getattr(peft_model.config, 'model_type', 'this')} models, and a layer "
+                "so named that is not a full-precision nn.Linear, such as a 4-bit one, cannot be adapted "
+                "through its weight instead)"
             )
         raise LoRACoverageError(
             f"{coverage.line()}: no adapter on {shown}{cause}. Name the modules to adapt in "

@@ -109,16 +109,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "router_aux_loss_coef": 0.1,
         },
     ),
-}
-
-
-PARTIAL_LORA: dict[str, tuple[str, dict[str, Any]]] = {
-    # MoE models whose dense MLP or shared expert peft renames into expert targets: LoRA refused
-    # unless allow_partial (lit_instruct.lora_targets)
-    "deepseek_v3": (
+    "deepseek_v3": (  # dense first layer and shared experts named like the experts peft rewrites
         "DeepseekV3Config",
         {
             "n_routed_experts": 4,
+            "num_key_value_heads": 4,  # MLA: as many key heads as query heads
             "num_experts_per_tok": 2,
             "first_k_dense_replace": 1,
             "moe_intermediate_size": 32,
@@ -151,10 +146,10 @@ PARTIAL_LORA: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def tiny_model(name: str, vocab_size: int) -> torch.nn.Module:
-    """A tiny random model of family ``name`` (of :data:`FAMILIES` or :data:`PARTIAL_LORA`)."""
+    """A tiny random model of family ``name`` (of :data:`FAMILIES`)."""
     import transformers
 
-    config_class, extra = {**FAMILIES, **PARTIAL_LORA}[name]
+    config_class, extra = FAMILIES[name]
     config = getattr(transformers, config_class)(vocab_size=vocab_size, **{**COMMON, **extra})
     config.tie_word_embeddings = False
     torch.manual_seed(0)

@@ -34,7 +34,9 @@ NO_PACKING = {  # refused by the build check: a packed row is not its samples ru
     "falcon_h1",  # Mamba mixers carry state across packed samples
     "llama4",  # chunked attention applied through the mask only
     "phimoe",  # sliding window applied through the mask only
+    "qwen3_next",  # gated delta-net layers carry state across packed samples
 }
+MOE = {"deepseek_v3", "llama4", "mixtral", "phimoe", "qwen3_next"}
 LOSSES = {
     "reference": reference_linear_cross_entropy,
     "fused_torch": FusedLinearCrossEntropy(chunk_size=8, backend="torch"),
@@ -141,12 +143,14 @@ def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> N
     experts = [n for n, p in base.named_parameters() if p.dim() == 3 and "conv1d" not in n]
     adapted = [n for n, _ in module.model.named_modules() if n.endswith("lora_A")]
     assert len(adapted) == len(linears) - len(left_out) + len(experts)
-    assert bool(experts) == (name in {"mixtral", "llama4", "phimoe"})
+    assert bool(experts) == (name in MOE)
     assert bool(left_out) == (name in {"falcon_h1", "llama4", "phimoe"})
     assert not any("lm_head" in n for n in adapted)
     coverage = module.model.lora_coverage  # the build-time check counts the same
     assert not coverage.missing_modules and not coverage.missing_parameters
-    assert (len(coverage.targets.modules), len(coverage.targets.parameters)) == (
+    by_weight = coverage.targets.by_weight  # layers named like the experts peft rewrites
+    assert bool(by_weight) == (name in {"deepseek_v3", "qwen3_next"})
+    assert (len(coverage.targets.modules) + len(by_weight), len(coverage.targets.parameters)) == (
         len(linears) - len(left_out),
         len(experts),
     )

@@ -8,6 +8,8 @@ import warnings
 import pytest
 import torch
 
+from peft import PeftModel
+
 from lit_instruct.lora_targets import LoRACoverageError, _peft_names
 from lit_instruct.model import LoRAConfig, attach_lora
 from tests.families import tiny_model
@@ -60,24 +62,56 @@ def test_a_router_is_left_out_by_name_and_the_model_trains() -> None:
     assert grads and all(g is not None for g in grads.values())
 
 
-def test_modules_peft_renames_into_experts_are_an_error_or_named_when_partial_is_allowed() -> None:
+def test_modules_peft_would_rewrite_into_experts_are_adapted_through_their_weight(tmp_path) -> None:
     dense = [f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
     shared = [f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    with pytest.raises(LoRACoverageError) as refused:
-        attach_lora(tiny("deepseek_v3"), LoRAConfig(r=4))
-    message = str(refused.value)
-    assert message.startswith("LoRA: 10 of 16 linear layers, 2 of 2 expert weights: no adapter on ")
-    assert all(name in message for name in dense + shared)
-    assert "for deepseek_v3 models" in message and "model.lora.allow_partial: true" in message
+    model = attach_lora(tiny("deepseek_v3"), LoRAConfig(r=4))
+    coverage = model.lora_coverage
+    assert coverage.line() == "LoRA: 16 of 16 linear layers, 2 of 2 expert weights"
+    assert coverage.targets.by_weight == dense + shared
+    assert set(model.peft_config["default"].target_parameters) >= {f"{n}.weight" for n in dense + shared}
+    grads = lora_gradients_after_a_step(model)
+    assert all(grads[f"base_model.model.{n}.lora_{f}.default.weight"].abs().max() > 0 for n in dense for f in "AB")
 
-    model = attach_lora(tiny("deepseek_v3"), LoRAConfig(r=4, allow_partial=True))
-    assert model.lora_coverage.missing_modules == dense + shared
-    assert model.lora_coverage.hparams()["model/lora_linear_adapted"] == 10.0
-    assert all(g is not None for g in lora_gradients_after_a_step(model).values())
+    # the same update as a module adapter, and peft loads it back onto the same layers
+    ids = torch.randint(0, VOCAB, (2, 7))
+    model.eval()
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny("deepseek_v3"), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+        layer = model.base_model.model.model.layers[0].mlp.gate_proj
+        x = torch.randn(3, 64)
+        scale = layer.scaling["default"]
+        delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+        torch.testing.assert_close(layer(x), x @ (layer.get_base_layer().weight + scale * delta).T)
+
+
+def with_a_custom_shared_up_proj() -> torch.nn.Module:
+    base = tiny("deepseek_v3")
+    base.model.layers[1].mlp.shared_experts.up_proj = Subclassed(64, 32, bias=False)
+    return base
+
+
+def test_a_layer_peft_rewrites_that_cannot_be_adapted_by_weight_is_an_error() -> None:
+    with pytest.raises(LoRACoverageError) as refused:
+        attach_lora(with_a_custom_shared_up_proj(), LoRAConfig(r=4))
+    message = str(refused.value)
+    assert message.startswith(
+        "LoRA: 15 of 16 linear layers, 2 of 2 expert weights: no adapter on model.layers.1.mlp.shared_experts.up_proj"
+    )
+    assert "for deepseek_v3 models" in message and "model.lora.allow_partial: true" in message
+    model = attach_lora(with_a_custom_shared_up_proj(), LoRAConfig(r=4, allow_partial=True))
+    assert model.lora_coverage.missing_modules == ["model.layers.1.mlp.shared_experts.up_proj"]
+    assert model.lora_coverage.hparams()["model/lora_linear_adapted"] == 15.0
+
+
+class Subclassed(torch.nn.Linear):
+    """A linear layer of a class of its own (as a quantized or custom layer would be)."""
 
 
 def test_a_linear_attention_out_proj_is_adapted() -> None:
-    model = attach_lora(tiny("qwen3_next"), LoRAConfig(r=4, allow_partial=True))  # shared experts: as above
+    model = attach_lora(tiny("qwen3_next"), LoRAConfig(r=4))
     coverage = model.lora_coverage
     assert "model.layers.0.linear_attn.out_proj" in coverage.targets.modules
     assert "model.layers.0.linear_attn.out_proj" in model.base_model.targeted_module_names
