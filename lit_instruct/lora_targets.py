@@ -24,10 +24,18 @@ from typing import Any
 
 from torch import nn
 
-MAMBA_MODEL_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
-"""Model types whose ``out_proj`` (and ``conv1d``, no linear layer) peft refuses to adapt (its list)."""
+from lit_instruct.weight_reads import weights_read_directly
+
+MAMBA_MODEL_TYPES = frozenset(
+    {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h", "bamba", "granitemoehybrid", "zamba2"}
+)
+"""Model types whose Mamba ``out_proj`` weight the fused CUDA kernels read without calling the layer
+(peft refuses the first five; transformers' Bamba, Granite 4 and Zamba2 mixers do the same)."""
 PEFT_MOE_RENAMED = frozenset({"gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3"})
 """Target names peft's transformers-v4 MoE conversion turns into the experts' fused weights."""
+
+
+READ_DIRECTLY = "weight read by its parent, the layer never called (an adapter there would never train)"
 
 
 class LoRACoverageError(ValueError):
@@ -78,11 +86,7 @@ def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
     names = [name for name, _ in model.named_modules() if name]
     if target_modules not in (["all-linear"], "all-linear"):
         asked = [name for name in names if any(_matches(name, t) for t in target_modules)]
-        targets = LoRATargets(modules=asked, peft_modules=list(target_modules))
-        _adapt_renamed_by_weight(model, targets)
-        if targets.by_weight or targets.stuck:
-            targets.peft_modules = _peft_names(names, [n for n in targets.modules if n not in targets.stuck])
-        return targets
+        return _finish(model, names, LoRATargets(modules=asked))
     head = model.get_output_embeddings()
     mamba = getattr(model.config, "model_type", None) in MAMBA_MODEL_TYPES
     targets = LoRATargets(modules=[])
@@ -90,7 +94,7 @@ def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
         if not is_linear(module) or module is head:
             continue
         if mamba and name.rsplit(".", 1)[-1] == "out_proj":
-            reason = "Mamba out_proj (peft refuses it: the fused Mamba kernels read its weight)"
+            reason = "Mamba out_proj (the fused Mamba kernels read its weight, never calling the layer)"
         elif not _plain(module):
             reason = f"{type(module).__name__} (its forward is not a plain linear layer: a router)"
         else:
@@ -105,6 +109,15 @@ def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
     }
     targets.parameters = sorted(experts)
     targets.peft_parameters = sorted(set(experts.values()))
+    return _finish(model, names, targets)
+
+
+def _finish(model: Any, names: list[str], targets: LoRATargets) -> LoRATargets:
+    """Leave out the layers the model never calls; name the rest to peft so that it adapts them."""
+    linear = [name for name in targets.modules if is_linear(model.get_submodule(name))]
+    for name in weights_read_directly(model, linear):
+        targets.modules.remove(name)
+        targets.left_out.setdefault(READ_DIRECTLY, []).append(name)
     _adapt_renamed_by_weight(model, targets)
     targets.peft_modules = _peft_names(names, [n for n in targets.modules if n not in targets.stuck])
     return targets

@@ -142,6 +142,106 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "layer_types": ["linear_attention", "full_attention"],
         },
     ),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    ),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "glm4_moe": (  # dense first layer and shared experts, as DeepSeek
+        "Glm4MoeConfig",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "head_dim": 16,
+        },
+    ),
+    "smollm3": ("SmolLM3Config", {"pad_token_id": 0}),  # every fourth layer without rotary embeddings
+    "starcoder2": (
+        "Starcoder2Config",
+        {"sliding_window": WINDOW, "residual_dropout": 0.0, "embedding_dropout": 0.0},
+    ),
+    "gpt_oss": (  # attention sinks, alternating sliding window, clamped SwiGLU experts
+        "GptOssConfig",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "qwen3_5": (  # gated delta-net linear attention and full attention
+        "Qwen3_5TextConfig",
+        {
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+        },
+    ),
+    "granitemoehybrid": (  # Granite 4: Mamba-2 layers and attention, MoE with a shared MLP
+        "GraniteMoeHybridConfig",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 96,
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 8,
+            "logits_scaling": 8.0,
+        },
+    ),
+    "lfm2": (  # short gated convolutions and attention
+        "Lfm2Config",
+        {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    ),
+    "jamba": (  # Mamba layers, attention, MoE
+        "JambaConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "use_mamba_kernels": False,
+            "mamba_d_state": 8,
+        },
+    ),
+    "gemma3n": (  # AltUp, Laurel, per-layer embeddings, KV sharing
+        "Gemma3nTextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 0.5,
+            "vocab_size_per_layer_input": 128,
+            "hidden_size_per_layer_input": 8,
+            "laurel_rank": 8,
+            "num_kv_shared_layers": 0,
+            "activation_sparsity_pattern": [0.0, 0.0],
+        },
+    ),
+    "gemma4": (
+        "Gemma4TextConfig",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 0.5,
+            "num_kv_shared_layers": 0,
+        },
+    ),
 }
 
 
@@ -156,6 +256,9 @@ def tiny_model(name: str, vocab_size: int) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # spread the head's weights so the logit transforms bend
         model.get_output_embeddings().weight.normal_(0.0, 0.2)
+        for p in model.parameters():  # a scale that starts at zero (Gemma 3n's AltUp) cuts a path
+            if p.is_floating_point() and not p.any():
+                p.normal_(0.0, 0.1)
     return model
 
 

@@ -32,11 +32,38 @@ from tests.families import FAMILIES, WINDOW, build_family
 VOCAB = 49152
 NO_PACKING = {  # refused by the build check: a packed row is not its samples run alone
     "falcon_h1",  # Mamba mixers carry state across packed samples
+    "granitemoehybrid",
+    "jamba",
     "llama4",  # chunked attention applied through the mask only
     "phimoe",  # sliding window applied through the mask only
     "qwen3_next",  # gated delta-net layers carry state across packed samples
 }
-MOE = {"deepseek_v3", "llama4", "mixtral", "phimoe", "qwen3_next"}
+MOE = {
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "granitemoehybrid",
+    "jamba",
+    "llama4",
+    "mixtral",
+    "olmoe",
+    "phimoe",
+    "qwen3_moe",
+    "qwen3_next",
+}
+LEFT_OUT = {  # by the build-time rules of lit_instruct.lora_targets
+    "falcon_h1": ("mamba.out_proj",),  # the fused Mamba kernels read the weight
+    "granitemoehybrid": ("mamba.out_proj",),
+    "gemma3n": ("altup.correction_coefs",),  # read by its parent in training
+    "jamba": ("mamba.dt_proj",),  # read by its parent
+    "llama4": (".router",),  # not a plain linear layer
+    "phimoe": (".router",),
+}
+SHARP = {
+    # attention logits of RMS-normed q and k, unscaled: fp32 rounding of reordered sums reaches
+    # 2.8e-5 relative in the LoRA gradients (1e-14 in float64: packing is tested there)
+    "gemma4",
+}
 LOSSES = {
     "reference": reference_linear_cross_entropy,
     "fused_torch": FusedLinearCrossEntropy(chunk_size=8, backend="torch"),
@@ -67,10 +94,12 @@ def samples() -> list[Sample]:
     return out
 
 
-def assert_relatively_close(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
-    """Equal to 1e-5 relative to the tensor's largest entry (fp32 rounding of reordered sums)."""
+def assert_relatively_close(
+    actual: torch.Tensor, expected: torch.Tensor, msg: str = "", tolerance: float = 1e-5
+) -> None:
+    """Equal to ``tolerance`` relative to the tensor's largest entry (fp32 rounding of reordered sums)."""
     scale = float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale, msg=msg or None)
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance * scale, msg=msg or None)
 
 
 def lora_grads(module: InstructLoRAModule, loss: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -104,8 +133,9 @@ def test_loss_and_lora_gradients_equal_the_models_own(family, loss) -> None:
     finally:
         module.loss_fn = reference_linear_cross_entropy
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    tolerance = 1e-4 if name in SHARP else 1e-5
     for key, grad in lora_grads(module, ours).items():
-        assert_relatively_close(grad, expected_grads[key], f"{name} {key}")
+        assert_relatively_close(grad, expected_grads[key], f"{name} {key}", tolerance)
     assert any(g.abs().max() > 0 for g in expected_grads.values())
 
 
@@ -125,11 +155,16 @@ def test_packed_equals_padded_or_is_refused(family) -> None:
             module.loss_sum_and_count(PackCollator()(samples()))
         return
     twin = packed_twin(module)
-    padded_sum, padded_count = module.loss_sum_and_count(PadCollator(0)(samples()))
-    packed_sum, packed_count = twin.loss_sum_and_count(PackCollator()(samples()))
+    dtype = torch.float64 if name in SHARP else torch.float32
+    module.to(dtype), twin.to(dtype)
+    try:
+        padded_sum, padded_count = module.loss_sum_and_count(PadCollator(0)(samples()))
+        packed_sum, packed_count = twin.loss_sum_and_count(PackCollator()(samples()))
+        padded, packed = lora_grads(module, padded_sum), lora_grads(twin, packed_sum)
+    finally:
+        module.float()
     assert packed_count == padded_count
     assert_relatively_close(packed_sum, padded_sum)
-    padded, packed = lora_grads(module, padded_sum), lora_grads(twin, packed_sum)
     for key, grad in packed.items():
         assert_relatively_close(grad, padded[key], f"{name} {key}")
 
@@ -139,12 +174,12 @@ def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> N
     base = load_base_model(module.hparams.model)
     head = base.get_output_embeddings()
     linears = [n for n, m in base.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head]
-    left_out = [n for n in linears if n.endswith(("mamba.out_proj", ".router"))]  # peft refuses; routing
+    left_out = [n for n in linears if n.endswith(LEFT_OUT.get(name, ()))]
     experts = [n for n, p in base.named_parameters() if p.dim() == 3 and "conv1d" not in n]
     adapted = [n for n, _ in module.model.named_modules() if n.endswith("lora_A")]
     assert len(adapted) == len(linears) - len(left_out) + len(experts)
     assert bool(experts) == (name in MOE)
-    assert bool(left_out) == (name in {"falcon_h1", "llama4", "phimoe"})
+    assert bool(left_out) == (name in LEFT_OUT)
     assert not any("lm_head" in n for n in adapted)
     coverage = module.model.lora_coverage  # the build-time check counts the same
     assert not coverage.missing_modules and not coverage.missing_parameters
