@@ -3,6 +3,7 @@
 # `make test-fast`: the edit-test loop: lint and the tests not marked slow or e2e (about a minute).
 # `make test-latest`: the suite in a throwaway venv with the newest releases pyproject.toml allows.
 # `make lock`: `make test-latest`, then its versions become the lock (constraints.txt).
+# `make matrix`: rewrite the README's model support matrix from what each family's build finds.
 #
 # Everything runs in a virtual environment ($(VENV), made from $(PYTHON)) installed from the lock:
 # the versions the suite passed with. `LOCK=` installs the newest releases in pyproject's ranges.
@@ -14,7 +15,7 @@ PY := $(VENV)/bin/python
 PIP = $(PY) -m pip install --quiet --disable-pip-version-check $(if $(LOCK),--constraint $(LOCK))
 KEY_PACKAGES := torch|transformers|peft|lightning|accelerate|bitsandbytes|triton|datasets|wandb|numpy
 
-.PHONY: demo test test-fast test-latest lock lint bench install versions
+.PHONY: demo test test-fast test-latest lock lint matrix bench install versions
 
 demo: install
 	$(PY) -m lit_instruct prepare
@@ -38,6 +39,9 @@ lock: test-latest
 	  $(LATEST_VENV)/bin/python -m pip freeze --exclude-editable --disable-pip-version-check \
 	    | sed -E 's/^(torch==[^+]*)\+.*/\1/'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
+
+matrix: install
+	$(PY) -m tests.support_matrix
 
 bench: install
 	$(PIP) --no-deps 'cut-cross-entropy>=25.1'

@@ -35,9 +35,6 @@ PEFT_MOE_RENAMED = frozenset({"gate_proj", "up_proj", "down_proj", "gate", "w1",
 """Target names peft's transformers-v4 MoE conversion turns into the experts' fused weights."""
 
 
-READ_DIRECTLY = "weight read by its parent, the layer never called (an adapter there would never train)"
-
-
 class LoRACoverageError(ValueError):
     """peft did not put an adapter on every module or expert weight that was asked for."""
 
@@ -117,7 +114,9 @@ def _finish(model: Any, names: list[str], targets: LoRATargets) -> LoRATargets:
     linear = [name for name in targets.modules if is_linear(model.get_submodule(name))]
     for name in weights_read_directly(model, linear):
         targets.modules.remove(name)
-        targets.left_out.setdefault(READ_DIRECTLY, []).append(name)
+        leaf = name.rsplit(".", 1)[-1]
+        reason = f"{leaf} (its parent reads the weight, never calling the layer: an adapter would not train)"
+        targets.left_out.setdefault(reason, []).append(name)
     _adapt_renamed_by_weight(model, targets)
     targets.peft_modules = _peft_names(names, [n for n in targets.modules if n not in targets.stuck])
     return targets

@@ -266,3 +266,79 @@ def build_family(name: str, vocab_size: int, path: Path) -> Path:
     """Save a tiny random model of family ``name`` to ``path`` and return it."""
     tiny_model(name, vocab_size).save_pretrained(path)
     return path
+
+
+LABELS = {
+    "llama": "Llama",
+    "qwen2": "Qwen2 (sliding window)",
+    "mistral": "Mistral",
+    "phi3": "Phi-3 (fused `qkv_proj`, `gate_up_proj`)",
+    "gemma": "Gemma",
+    "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3 text",
+    "cohere": "Cohere",
+    "cohere2": "Cohere 2",
+    "granite": "Granite",
+    "phi": "Phi-2 (lm_head bias)",
+    "falcon_h1": "Falcon-H1 (attention + Mamba-2)",
+    "gpt2": "GPT-2 (`Conv1D`)",
+    "llama4": "Llama 4 text (MoE, shared expert, chunked attention)",
+    "phimoe": "PhiMoE",
+    "seed_oss": "Seed-OSS",
+    "mixtral": "Mixtral (MoE, router loss)",
+    "deepseek_v3": "DeepSeek-V3 (MLA, MoE, dense first layer, shared experts)",
+    "qwen3_next": "Qwen3-Next (gated delta-net + attention, MoE, shared expert)",
+    "qwen3": "Qwen3",
+    "qwen3_moe": "Qwen3-MoE",
+    "olmoe": "OLMoE",
+    "glm4_moe": "GLM-4.5 MoE (dense first layer, shared experts)",
+    "smollm3": "SmolLM3 (NoPE layers)",
+    "starcoder2": "StarCoder2",
+    "gpt_oss": "GPT-OSS (attention sinks, MoE)",
+    "qwen3_5": "Qwen3.5 text (gated delta-net + attention)",
+    "granitemoehybrid": "Granite 4 (Mamba-2 + attention, MoE, shared MLP)",
+    "lfm2": "LFM2 (short convolutions + attention)",
+    "jamba": "Jamba (Mamba + attention, MoE)",
+    "gemma3n": "Gemma 3n text (AltUp, Laurel, per-layer inputs)",
+    "gemma4": "Gemma 4 text",
+}
+"""How the README's support matrix names each family."""
+
+NO_PACKING = {  # refused by the build check: a packed row is not its samples run alone
+    "falcon_h1": "Mamba state",
+    "granitemoehybrid": "Mamba state",
+    "jamba": "Mamba state",
+    "llama4": "chunks applied through the mask",
+    "phimoe": "window applied through the mask",
+    "qwen3_next": "delta-net state",
+    "qwen3_5": "delta-net state",
+    "lfm2": "convolution state",
+}
+MOE = {
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "granitemoehybrid",
+    "jamba",
+    "llama4",
+    "mixtral",
+    "olmoe",
+    "phimoe",
+    "qwen3_moe",
+    "qwen3_next",
+}
+BY_WEIGHT = {"deepseek_v3", "glm4_moe", "qwen3_next"}
+"""Dense MLPs or shared experts named like the experts peft rewrites: adapted through their weight."""
+LEFT_OUT = {  # by the build-time rules of lit_instruct.lora_targets
+    "falcon_h1": ("mamba.out_proj",),  # the fused Mamba kernels read the weight
+    "granitemoehybrid": ("mamba.out_proj",),
+    "gemma3n": ("altup.correction_coefs",),  # read by its parent in training
+    "jamba": ("mamba.dt_proj",),  # read by its parent
+    "llama4": (".router",),  # not a plain linear layer
+    "phimoe": (".router",),
+}
+SHARP = {  # fp32 rounding of reordered sums passes 1e-5 relative in some LoRA gradients, packed vs
+    # padded; in float64 they agree to 1e-14, so packing is tested there, and the loss at 1e-4
+    "gemma4",  # 2.8e-5: attention logits of RMS-normed q and k, unscaled
+    "starcoder2",  # 1.4e-5
+}

@@ -27,43 +27,9 @@ from lit_instruct.output_head import (
     check_against_model_logits,
     logit_transform,
 )
-from tests.families import FAMILIES, WINDOW, build_family
+from tests.families import BY_WEIGHT, FAMILIES, LEFT_OUT, MOE, NO_PACKING, SHARP, WINDOW, build_family
 
 VOCAB = 49152
-NO_PACKING = {  # refused by the build check: a packed row is not its samples run alone
-    "falcon_h1",  # Mamba mixers carry state across packed samples
-    "granitemoehybrid",
-    "jamba",
-    "llama4",  # chunked attention applied through the mask only
-    "phimoe",  # sliding window applied through the mask only
-    "qwen3_next",  # gated delta-net layers carry state across packed samples
-}
-MOE = {
-    "deepseek_v3",
-    "glm4_moe",
-    "gpt_oss",
-    "granitemoehybrid",
-    "jamba",
-    "llama4",
-    "mixtral",
-    "olmoe",
-    "phimoe",
-    "qwen3_moe",
-    "qwen3_next",
-}
-LEFT_OUT = {  # by the build-time rules of lit_instruct.lora_targets
-    "falcon_h1": ("mamba.out_proj",),  # the fused Mamba kernels read the weight
-    "granitemoehybrid": ("mamba.out_proj",),
-    "gemma3n": ("altup.correction_coefs",),  # read by its parent in training
-    "jamba": ("mamba.dt_proj",),  # read by its parent
-    "llama4": (".router",),  # not a plain linear layer
-    "phimoe": (".router",),
-}
-SHARP = {
-    # attention logits of RMS-normed q and k, unscaled: fp32 rounding of reordered sums reaches
-    # 2.8e-5 relative in the LoRA gradients (1e-14 in float64: packing is tested there)
-    "gemma4",
-}
 LOSSES = {
     "reference": reference_linear_cross_entropy,
     "fused_torch": FusedLinearCrossEntropy(chunk_size=8, backend="torch"),
@@ -175,7 +141,13 @@ def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> N
     head = base.get_output_embeddings()
     linears = [n for n, m in base.named_modules() if isinstance(m, (nn.Linear, Conv1D)) and m is not head]
     left_out = [n for n in linears if n.endswith(LEFT_OUT.get(name, ()))]
-    experts = [n for n, p in base.named_parameters() if p.dim() == 3 and "conv1d" not in n]
+    experts = [
+        f"{module_name}.{n}"
+        for module_name, module in base.named_modules()
+        if not isinstance(module, nn.Conv1d)
+        for n, p in module.named_parameters(recurse=False)
+        if p.dim() == 3
+    ]
     adapted = [n for n, _ in module.model.named_modules() if n.endswith("lora_A")]
     assert len(adapted) == len(linears) - len(left_out) + len(experts)
     assert bool(experts) == (name in MOE)
@@ -184,7 +156,7 @@ def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> N
     coverage = module.model.lora_coverage  # the build-time check counts the same
     assert not coverage.missing_modules and not coverage.missing_parameters
     by_weight = coverage.targets.by_weight  # layers named like the experts peft rewrites
-    assert bool(by_weight) == (name in {"deepseek_v3", "qwen3_next"})
+    assert bool(by_weight) == (name in BY_WEIGHT)
     assert (len(coverage.targets.modules) + len(by_weight), len(coverage.targets.parameters)) == (
         len(linears) - len(left_out),
         len(experts),
@@ -254,3 +226,9 @@ def test_unpacked_rows_keep_the_models_own_attention_once_packing_is_on(family) 
         assert torch.equal(
             module.model.generate(input_ids=ids, **kwargs), own.generate(input_ids=ids, **kwargs)
         )
+
+
+def test_the_readme_matrix_is_the_one_the_builds_write() -> None:
+    from tests.support_matrix import README, matrix, readme_matrix
+
+    assert readme_matrix(README.read_text()) == matrix(), "README matrix is stale: run `make matrix`"

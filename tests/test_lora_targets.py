@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-
 from peft import PeftModel
 
 from lit_instruct.lora_targets import LoRACoverageError, _peft_names
@@ -71,7 +70,8 @@ def test_modules_peft_would_rewrite_into_experts_are_adapted_through_their_weigh
     assert coverage.targets.by_weight == dense + shared
     assert set(model.peft_config["default"].target_parameters) >= {f"{n}.weight" for n in dense + shared}
     grads = lora_gradients_after_a_step(model)
-    assert all(grads[f"base_model.model.{n}.lora_{f}.default.weight"].abs().max() > 0 for n in dense for f in "AB")
+    adapters = [f"base_model.model.{n}.lora_{f}.default.weight" for n in dense for f in "AB"]
+    assert all(grads[name].abs().max() > 0 for name in adapters)
 
     # the same update as a module adapter, and peft loads it back onto the same layers
     ids = torch.randint(0, VOCAB, (2, 7))
@@ -98,7 +98,8 @@ def test_a_layer_peft_rewrites_that_cannot_be_adapted_by_weight_is_an_error() ->
         attach_lora(with_a_custom_shared_up_proj(), LoRAConfig(r=4))
     message = str(refused.value)
     assert message.startswith(
-        "LoRA: 15 of 16 linear layers, 2 of 2 expert weights: no adapter on model.layers.1.mlp.shared_experts.up_proj"
+        "LoRA: 15 of 16 linear layers, 2 of 2 expert weights: "
+        "no adapter on model.layers.1.mlp.shared_experts.up_proj"
     )
     assert "for deepseek_v3 models" in message and "model.lora.allow_partial: true" in message
     model = attach_lora(with_a_custom_shared_up_proj(), LoRAConfig(r=4, allow_partial=True))
@@ -123,3 +124,16 @@ def test_peft_gets_leaf_names_only_where_they_match_exactly_what_is_asked() -> N
     assert _peft_names(names, ["layers.0.q_proj", "layers.1.q_proj"]) == ["q_proj"]
     # "0" would also match the decoder layer "layers.0"
     assert _peft_names(names, ["layers.0.altup.0"]) == ["layers.0.altup.0"]
+
+
+def test_layers_the_model_never_calls_are_left_out_by_the_build_probe() -> None:
+    """Jamba computes ``dt_proj.weight @ x`` itself: an adapter on dt_proj would never train."""
+    dt_proj = ["model.layers.0.mamba.dt_proj"]
+    for asked in (["all-linear"], ["x_proj", "dt_proj"]):
+        model = attach_lora(tiny("jamba"), LoRAConfig(r=4, target_modules=asked))
+        coverage = model.lora_coverage
+        assert list(coverage.targets.left_out.values()) == [dt_proj]
+        assert "dt_proj (its parent reads the weight, never calling the layer" in coverage.line()
+        assert not any("dt_proj" in name for name in model.base_model.targeted_module_names)
+        grads = lora_gradients_after_a_step(model)  # every adapter placed trains
+        assert grads and all(g is not None and g.abs().max() > 0 for g in grads.values())
