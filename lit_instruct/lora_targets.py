@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from lit_instruct.decoder import decoder_of
 from lit_instruct.weight_reads import weights_read_directly
 
 MAMBA_MODEL_TYPES = frozenset(
@@ -51,6 +52,8 @@ class LoRATargets:
     stuck: list[str] = field(default_factory=list)
     """Layers so named that cannot be adapted through their weight (4-bit ones): not given to peft,
     so the coverage check names them."""
+    probed: bool = True
+    """Whether a forward looked for layers whose weight the model reads without calling them."""
     peft_renamed: frozenset[str] = frozenset()
     """The target names peft rewrites into expert weights for this model."""
     left_out: dict[str, list[str]] = field(default_factory=dict)
@@ -78,19 +81,24 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
-    """The modules (and for ``all-linear`` the expert weights) that must get adapters."""
+def lora_targets(model: Any, target_modules: list[str], probe: bool = True) -> LoRATargets:
+    """The modules (and for ``all-linear`` the expert weights) that must get adapters. ``probe``:
+    run one forward to find the layers the model never calls (every rank must agree: ranks built
+    on the meta device cannot run it, so a low-memory FSDP build skips it everywhere)."""
     names = [name for name, _ in model.named_modules() if name]
     if target_modules not in (["all-linear"], "all-linear"):
         asked = [name for name in names if any(_matches(name, t) for t in target_modules)]
-        return _finish(model, names, LoRATargets(modules=asked))
+        return _finish(model, names, LoRATargets(modules=asked, probed=probe))
     head = model.get_output_embeddings()
     mamba = getattr(model.config, "model_type", None) in MAMBA_MODEL_TYPES
-    targets = LoRATargets(modules=[])
+    text = _language_model_prefix(model)
+    targets = LoRATargets(modules=[], probed=probe)
     for name, module in model.named_modules():
         if not is_linear(module) or module is head:
             continue
-        if mamba and name.rsplit(".", 1)[-1] == "out_proj":
+        if not name.startswith(text):
+            reason = "outside the language model (vision or audio tower, projector: text never reaches it)"
+        elif mamba and name.rsplit(".", 1)[-1] == "out_proj":
             reason = "Mamba out_proj (the fused Mamba kernels read its weight, never calling the layer)"
         elif not _plain(module):
             reason = f"{type(module).__name__} (its forward is not a plain linear layer: a router)"
@@ -102,17 +110,30 @@ def lora_targets(model: Any, target_modules: list[str]) -> LoRATargets:
         f"{module_name}.{name}": f"{module_name.rsplit('.', 1)[-1]}.{name}"
         for module_name, module in model.named_modules()
         for name, p in module.named_parameters(recurse=False)
-        if p.dim() == 3 and not isinstance(module, nn.Conv1d)
+        if p.dim() == 3 and not isinstance(module, nn.Conv1d) and module_name.startswith(text)
     }
     targets.parameters = sorted(experts)
     targets.peft_parameters = sorted(set(experts.values()))
     return _finish(model, names, targets)
 
 
+def _language_model_prefix(model: Any) -> str:
+    """``model.language_model.`` for a multimodal model (its text decoder), ``""`` for a causal LM
+    whose decoder is all there is besides the head."""
+    try:
+        decoder = decoder_of(model)
+    except (AttributeError, NotImplementedError):
+        return ""
+    name = next((n for n, m in model.named_modules() if m is decoder), "")
+    config = getattr(model, "config", None)
+    multimodal = config is not None and getattr(config, "text_config", None) not in (None, config)
+    return f"{name}." if name and multimodal else ""
+
+
 def _finish(model: Any, names: list[str], targets: LoRATargets) -> LoRATargets:
     """Leave out the layers the model never calls; name the rest to peft so that it adapts them."""
     linear = [name for name in targets.modules if is_linear(model.get_submodule(name))]
-    for name in weights_read_directly(model, linear):
+    for name in weights_read_directly(model, linear) if targets.probed else []:
         targets.modules.remove(name)
         leaf = name.rsplit(".", 1)[-1]
         reason = f"{leaf} (its parent reads the weight, never calling the layer: an adapter would not train)"
@@ -188,7 +209,8 @@ class LoRACoverage:
             adapted = len(t.parameters) - len(self.missing_parameters)
             text += f", {adapted} of {len(t.parameters)} expert weights"
         left = [f"{reason} x{len(names)}" for reason, names in t.left_out.items()]
-        return text + (f" (left out: {'; '.join(left)})" if left else "")
+        text += f" (left out: {'; '.join(left)})" if left else ""
+        return text + ("" if t.probed else " (layers the model never calls not probed: low_memory_load)")
 
     def hparams(self) -> dict[str, float]:
         t = self.targets

@@ -180,17 +180,17 @@ def _quant_state_bytes(state: object) -> int:
     return size + (_quant_state_bytes(nested) if nested is not None else 0)
 
 
-def attach_lora(model: nn.Module, lora: LoRAConfig) -> Any:
+def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
     """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen.
 
     ``target_modules: [all-linear]`` adapts every linear layer but the output head and every 3-D
     expert weight (peft's ``target_parameters``). What peft adapted is then checked against what was
     asked (:mod:`lit_instruct.lora_targets`): a shortfall raises unless ``lora.allow_partial``; the
-    result is the returned model's ``lora_coverage``.
+    result is the returned model's ``lora_coverage``. ``probe``: see :func:`lora_targets`.
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = lora_targets(model, lora.target_modules)
+    targets = lora_targets(model, lora.target_modules, probe)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, takes any number

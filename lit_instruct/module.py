@@ -139,7 +139,8 @@ class InstructLoRAModule(L.LightningModule):
         self.save_hyperparameters(ignore=["lora", "quantization"])
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
-        on_meta = low_memory_load and self.quantization.method == "none" and launched_rank() > 0
+        meta_ranks = low_memory_load and self.quantization.method == "none"
+        on_meta = meta_ranks and launched_rank() > 0
         base = load_base_model(
             model, dtype, trust_remote_code, self.quantization, attn_implementation, on_meta
         )
@@ -149,7 +150,7 @@ class InstructLoRAModule(L.LightningModule):
         self.packing = packing
         self.logit_transform = output_head(base, verify=not on_meta).transform  # rank 0 verifies it
         self.router_aux_loss = RouterAuxLoss.of(base)
-        self.model = attach_lora(base, self.lora_config)
+        self.model = attach_lora(base, self.lora_config, probe=not meta_ranks)  # the same on every rank
         self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
         self.fused_layers = fuse_lora_layers(self.model, check=not on_meta) if fuse_lora else None
         if self.quantization.method != "none":  # the build checks above ran eval forwards on it

@@ -232,3 +232,40 @@ def test_the_readme_matrix_is_the_one_the_builds_write() -> None:
     from tests.support_matrix import README, matrix, readme_matrix
 
     assert readme_matrix(README.read_text()) == matrix(), "README matrix is stale: run `make matrix`"
+
+
+def test_a_multimodal_model_trains_its_language_model_on_text(tmp_path) -> None:
+    """Gemma 3 with its vision tower: adapters go on the language model only (text batches never
+    reach the tower), and the loss and LoRA gradients are the model's own."""
+    import transformers
+
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    text |= dict(num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, final_logit_softcapping=0.5)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    vision |= dict(image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1
+    )
+    torch.manual_seed(0)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    module = InstructLoRAModule(model=str(tmp_path), lora=LoRAConfig(r=4, alpha=8))
+    coverage = module.model.lora_coverage
+    assert coverage.line().startswith("LoRA: 14 of 14 linear layers (left out: outside the language model")
+    outside = next(iter(coverage.targets.left_out.values()))
+    assert len(outside) == 9 and all(
+        n.startswith(("model.vision_tower.", "model.multi_modal")) for n in outside
+    )
+    assert all(n.startswith("model.language_model.") for n in module.model.base_model.targeted_module_names)
+
+    with torch.no_grad():
+        for param_name, p in module.named_parameters():
+            if "lora_B" in param_name:
+                p.normal_(0.0, 0.05)
+    batch = PadCollator(0)(samples())
+    expected = own_loss(module, batch)
+    expected_grads = lora_grads(module, expected)
+    ours = our_loss(module, batch)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    for key, grad in lora_grads(module, ours).items():
+        assert_relatively_close(grad, expected_grads[key], key)
+        assert grad.abs().max() > 0
