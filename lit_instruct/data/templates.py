@@ -1,0 +1,82 @@
+"""Chat templates lit-instruct ships, and which template renders a conversation.
+
+``data.chat_template`` takes a Jinja template, or the name of one of these:
+
+* ``alpaca``: the alpaca prompt (``### Instruction:`` / ``### Response:``), for tokenizers without a
+  template.
+* ``chatml-tools``: ChatML (``<|im_start|>role ... <|im_end|>``, SmolLM2's and Qwen's markers) that
+  also shows what the plain ChatML templates drop: the tools offered (in the system turn, as
+  Qwen2.5 and Hermes do), the assistant's tool calls (``<tool_call>`` JSON), tool results
+  (``<tool_response>`` in a user turn) and reasoning (``<think>``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ALPACA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}### Instruction:\n{{ message['content'] }}\n\n### Response:\n"
+    "{% else %}{{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
+    "{% endfor %}"
+)
+"""The built-in alpaca-style prompt template (``chat_template: alpaca``)."""
+
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call>"
+)
+
+CHATML_TOOLS_TEMPLATE = (
+    "{% set has_system = messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if has_system %}{{ messages[0]['content'] }}\n\n{% endif %}" + _TOOLS_PREAMBLE + "<|im_end|>\n"
+    "{% elif has_system %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% if not loop.first %}{{ raise_exception('a system message may only come first') }}{% endif %}"
+    "{% elif message['role'] == 'user' %}<|im_start|>user\n{{ message['content'] }}<|im_end|>\n"
+    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% if message['reasoning_content'] %}<think>\n{{ message['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    "{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    '<tool_call>\n{"name": {{ call[\'function\'][\'name\'] | tojson }}, "arguments": '
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML with tools, tool calls, tool results and reasoning shown (``chat_template: chatml-tools``)."""
+
+BUILTIN_TEMPLATES = {"alpaca": ALPACA_CHAT_TEMPLATE, "chatml-tools": CHATML_TOOLS_TEMPLATE}
+
+
+def resolve_chat_template(tokenizer: Any, override: str | None = None) -> str:
+    """The template that renders conversations: ``override`` (a Jinja template, or the name of one
+    of :data:`BUILTIN_TEMPLATES`), else the tokenizer's own.
+
+    Training and generation both call this, so a model is prompted the way it was trained.
+
+    Raises:
+        ValueError: when the tokenizer has no chat template and none is given.
+    """
+    if override in BUILTIN_TEMPLATES:
+        return BUILTIN_TEMPLATES[override]
+    template = override or tokenizer.chat_template
+    if not template:
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: set "
+            f"data.chat_template to a Jinja chat template or one of {sorted(BUILTIN_TEMPLATES)}"
+        )
+    return template
