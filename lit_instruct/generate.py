@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lit_instruct.data.render import resolve_chat_template
+from lit_instruct.data.templates import resolve_chat_template
 
 
 def load_for_generation(model: str, adapter: str | None = None, dtype: str = "float32") -> tuple[Any, Any]:

@@ -118,15 +118,6 @@ def test_sharegpt_records_map_their_roles_and_keep_the_train_flag(tmp_path: Path
             },
             r"field 'messages\[1\]\.train' must be true or false, got 0",
         ),
-        (
-            {
-                "messages": [
-                    {"role": "user", "content": "Hi", "train": False},
-                    {"role": "assistant", "content": "Yo"},
-                ]
-            },
-            r"field 'messages\[0\]\.train' is false on a user turn",
-        ),
     ],
 )
 def test_bad_sharegpt_and_train_fields_name_file_line_and_field(tmp_path: Path, row, message) -> None:
@@ -176,3 +167,117 @@ def test_a_bad_table_row_names_file_row_and_field(tmp_path: Path) -> None:
     assert len(read_source(DataSource(str(tmp_path / "splits"), split="train"), on_bad=lambda *_: None)) == 1
     with pytest.raises(DataError, match=r"has no split 'test' \(it has: train\); set split"):
         read_source(DataSource(str(tmp_path / "splits"), split="test"))
+
+
+# -- every field is used or refused -------------------------------------------------------------
+
+
+def test_a_message_weight_of_zero_keeps_the_turn_out_of_the_loss(tmp_path: Path) -> None:
+    """OpenAI's fine-tuning format and Axolotl: ``weight: 0`` on an assistant turn = do not train."""
+    row = {
+        "messages": [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "I don't know.", "weight": 0},
+            {"role": "user", "content": "Try harder."},
+            {"role": "assistant", "content": "A", "weight": 1},
+        ]
+    }
+    (record,) = read_source(write_jsonl(tmp_path / "weights.jsonl", [row]))
+    assert [m.train for m in record.messages if m.role == "assistant"] == [False, True]
+
+
+def test_context_turns_may_say_they_are_not_trained_but_not_ask_to_be(tmp_path: Path) -> None:
+    row = {
+        "messages": [
+            {"role": "system", "content": "Be brief.", "train": False},
+            {"role": "user", "content": "Hi", "weight": 0},
+            {"role": "assistant", "content": "Yo"},
+        ]
+    }
+    (record,) = read_source(write_jsonl(tmp_path / "context.jsonl", [row]))
+    assert record.messages == (
+        Message("system", "Be brief."),
+        Message("user", "Hi"),
+        Message("assistant", "Yo"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("turn", "message"),
+    [
+        (
+            {"role": "user", "content": "Hi", "train": True},
+            r"field 'messages\[0\]\.train' asks to train on a user",
+        ),
+        (
+            {"role": "user", "content": "Hi", "weight": 1},
+            r"field 'messages\[0\]\.weight' asks to train on a user",
+        ),
+        (
+            {"role": "user", "content": "Hi", "weight": 0.5},
+            r"field 'messages\[0\]\.weight' must be 0 or 1, got 0\.5",
+        ),
+        (
+            {"role": "user", "content": "Hi", "train": False, "weight": 1},
+            r"fields 'messages\[0\]\.train' and 'messages\[0\]\.weight' disagree",
+        ),
+    ],
+)
+def test_a_turn_flag_that_cannot_be_honoured_is_refused(tmp_path: Path, turn, message) -> None:
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [turn, {"role": "assistant", "content": "Yo"}]}])
+    with pytest.raises(DataError, match=re.escape(f"{path}:1: ") + message):
+        read_source(path)
+
+
+def test_a_records_system_field_and_alpaca_history_become_turns(tmp_path: Path) -> None:
+    """LLaMA-Factory's documented fields: ``system`` on ShareGPT and alpaca records, alpaca ``history``."""
+    sharegpt = {
+        "system": "Be brief.",
+        "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}],
+    }
+    alpaca = {
+        "system": "Be kind.",
+        "history": [["First?", "One."], ["Second?", "Two."]],
+        "instruction": "Third?",
+        "output": "Three.",
+    }
+    first, second = read_source(write_jsonl(tmp_path / "system.jsonl", [sharegpt, alpaca]))
+    assert first.messages == (
+        Message("system", "Be brief."),
+        Message("user", "Hi"),
+        Message("assistant", "Yo"),
+    )
+    assert second.messages == (
+        Message("system", "Be kind."),
+        Message("user", "First?"),
+        Message("assistant", "One."),
+        Message("user", "Second?"),
+        Message("assistant", "Two."),
+        Message("user", "Third?"),
+        Message("assistant", "Three."),
+    )
+    both = {"system": "A", "messages": [{"role": "system", "content": "B"}, *sharegpt_as_chat()]}
+    path = write_jsonl(tmp_path / "both.jsonl", [both])
+    with pytest.raises(
+        DataError, match=re.escape(f"{path}:1: the record has both a 'system' field and a system turn")
+    ):
+        read_source(path)
+
+
+def sharegpt_as_chat() -> list[dict[str, str]]:
+    return [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+
+
+def test_csv_cells_are_text(tmp_path: Path) -> None:
+    path = tmp_path / "numbers.csv"
+    path.write_text("prompt,completion\nWhat is 2 times 3?,6\nAnd NA?,NA\n")
+    records = read_source(path)
+    assert [r.messages[1].content for r in records] == ["6", "NA"]
+
+
+def test_a_llama_factory_folder_skips_its_dataset_info_with_a_note(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "data.jsonl", [{"instruction": "Hi?", "output": "Yo."}])
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"data": {"file_name": "data.jsonl"}}))
+    with pytest.warns(UserWarning, match="not reading .*dataset_info.json: it describes datasets"):
+        (record,) = read_source(tmp_path)
+    assert record.messages[1] == Message("assistant", "Yo.")

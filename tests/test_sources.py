@@ -4,6 +4,7 @@ parallel tokenization; weighted mixtures with per-source validation."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections import Counter
@@ -17,7 +18,7 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError, Message
 from lit_instruct.data.render import ChatRenderer
 from lit_instruct.data.sampler import InstructSampler
-from lit_instruct.data.sources import DataSource, read_source
+from lit_instruct.data.sources import DataSource, fingerprint, read_source
 from tests.helpers import trainer
 
 
@@ -89,8 +90,20 @@ def test_a_cached_hub_dataset_loads_offline(offline_hub, tmp_path) -> None:
 
 
 def test_a_missing_local_file_is_not_taken_for_a_hub_id(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"data file .*nope\.jsonl does not exist"):
-        read_source(DataSource(str(tmp_path / "nope.jsonl")))
+    (tmp_path / "files").mkdir()
+    write_jsonl(tmp_path / "files" / "alpaca_data.json", [{"instruction": "Hi?", "output": "Yo."}])
+    typo = tmp_path / "files" / "alpaca_dta.json"
+    expected = f"{typo}: no such file or folder; closest: {tmp_path / 'files' / 'alpaca_data.json'}"
+    with pytest.raises(DataError, match=re.escape(expected)) as missing:
+        read_source(DataSource(str(typo)))
+    assert missing.value.reason == "missing_source"
+    for path in (tmp_path / "nope.jsonl", tmp_path / "files" / "qa"):  # no suffix, in a folder there is
+        with pytest.raises(DataError, match=re.escape(f"{path}: no such file or folder")):
+            read_source(DataSource(str(path)))
+    with pytest.raises(
+        DataError, match=re.escape(f"{tmp_path / 'gone' / 'a.jsonl'}: no such file or folder (nor")
+    ):
+        fingerprint(DataSource(str(tmp_path / "gone" / "a.jsonl")))  # the cache key is taken first
 
 
 # -- columns and folders ------------------------------------------------------------------------

@@ -201,17 +201,39 @@ def _tools(raw: dict[str, Any], source: str) -> str | None:
     return json.dumps(tools, ensure_ascii=False)
 
 
+def _flag(turn: dict[str, Any], key: str, where: str, source: str) -> bool | None:
+    """``train`` (true/false) or ``weight`` (OpenAI's and Axolotl's 0/1) as a bool; None if absent."""
+    value = turn.get(key)
+    if value is None:  # absent, or null where a table's schema gave every turn the column
+        return None
+    if key == "train" and isinstance(value, bool):
+        return value
+    if key == "weight" and not isinstance(value, bool) and isinstance(value, int | float) and value in (0, 1):
+        return value == 1
+    expected = "true or false" if key == "train" else "0 or 1"
+    raise DataError(source, f"field '{where}.{key}' must be {expected}, got {value!r}", "bad_type")
+
+
 def _train_flag(turn: dict[str, Any], role: str, where: str, source: str) -> bool:
-    train = turn.get("train")
-    if train is None:  # absent, or null where a table's schema gave every turn the column
-        return True
-    if not isinstance(train, bool):
-        raise DataError(source, f"field '{where}.train' must be true or false, got {train!r}", "bad_type")
-    if not train and role != "assistant":
+    """Whether an assistant turn is trained on: ``train`` or ``weight``, default yes. Other turns
+    are context; saying so (``train: false``, ``weight: 0``) is accepted, asking to train them is not."""
+    train, weight = _flag(turn, "train", where, source), _flag(turn, "weight", where, source)
+    if train is not None and weight is not None and train != weight:
         raise DataError(
-            source, f"field '{where}.train' is false on a {role} turn (only answers train)", "bad_type"
+            source,
+            f"fields '{where}.train' and '{where}.weight' disagree ({train} vs {turn['weight']})",
+            "bad_type",
         )
-    return train
+    flag = train if train is not None else weight
+    if flag and role != "assistant":
+        key = "train" if train is not None else "weight"
+        raise DataError(
+            source,
+            f"field '{where}.{key}' asks to train on a {role} turn; only assistant turns are trained "
+            "(the loss is on answers): remove it",
+            "bad_role",
+        )
+    return role != "assistant" or flag is not False
 
 
 def _optional_string(turn: dict[str, Any], key: str, where: str, source: str) -> str | None:
@@ -289,6 +311,39 @@ def _check_conversation(
         )
 
 
+def _alpaca_history(raw: dict[str, Any], source: str) -> tuple[Message, ...]:
+    """LLaMA-Factory's alpaca ``history``: earlier ``[instruction, response]`` pairs, trained on as
+    every answer of a conversation is."""
+    history = _json_value(raw.get("history"), "history", source)
+    if history is None:
+        return ()
+    if not isinstance(history, list):
+        raise DataError(source, "field 'history' must be a list of [instruction, response] pairs", "bad_type")
+    turns: list[Message] = []
+    for i, pair in enumerate(history):
+        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise DataError(
+                source, f"field 'history[{i}]' must be an [instruction, response] pair", "bad_type"
+            )
+        turns += [Message("user", pair[0]), Message("assistant", pair[1])]
+    return tuple(turns)
+
+
+def _with_system(
+    raw: dict[str, Any], messages: tuple[Message, ...], source: str, key: str
+) -> tuple[Message, ...]:
+    """The record's top-level ``system`` prompt (LLaMA-Factory's ShareGPT and alpaca field) as its
+    first turn."""
+    system = _string_field(raw, "system", source, optional=True)
+    if not system:
+        return messages
+    if messages[0].role == "system":
+        raise DataError(
+            source, f"the record has both a 'system' field and a system turn ({key}[0]): keep one", "bad_role"
+        )
+    return (Message("system", system), *messages)
+
+
 def to_record(
     raw: Any, source: str, fmt: RecordFormat = "auto", columns: dict[str, str] | None = None
 ) -> Record:
@@ -309,12 +364,14 @@ def to_record(
         instruction = _string_field(raw, "instruction", source)
         extra = _string_field(raw, "input", source, optional=True)
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
-        messages = (Message("user", prompt), Message("assistant", _string_field(raw, "output", source)))
+        answer = Message("assistant", _string_field(raw, "output", source))
+        messages = (*_alpaca_history(raw, source), Message("user", prompt), answer)
     else:
         messages = (
             Message("user", _string_field(raw, "prompt", source)),
             Message("assistant", _string_field(raw, "completion", source)),
         )
+    messages = _with_system(raw, messages, source, "conversations" if fmt == "sharegpt" else "messages")
     if fmt == "sharegpt":
         _check_conversation(messages, source, "conversations", "value")
     else:

@@ -25,38 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lit_instruct.data.records import DataError, Record
+from lit_instruct.data.templates import resolve_chat_template
 from lit_instruct.labels import IGNORE_INDEX
 
 MultiTurn = Literal["auto", "joint", "per_turn"]
-
-ALPACA_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
-    "{% elif message['role'] == 'user' %}### Instruction:\n{{ message['content'] }}\n\n### Response:\n"
-    "{% else %}{{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
-    "{% endfor %}"
-)
-"""The built-in alpaca-style prompt template (``chat_template: alpaca``), for tokenizers without one."""
-
-
-def resolve_chat_template(tokenizer: Any, override: str | None = None) -> str:
-    """The template that renders conversations: ``override`` (a Jinja template, or ``"alpaca"`` for
-    :data:`ALPACA_CHAT_TEMPLATE`), else the tokenizer's own.
-
-    Training and generation both call this, so a model is prompted the way it was trained.
-
-    Raises:
-        ValueError: when the tokenizer has no chat template and none is given.
-    """
-    if override == "alpaca":
-        return ALPACA_CHAT_TEMPLATE
-    template = override or tokenizer.chat_template
-    if not template:
-        raise ValueError(
-            f"the tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template: set "
-            "data.chat_template to a Jinja chat template, or to 'alpaca' for the built-in alpaca prompt"
-        )
-    return template
 
 
 @dataclass(frozen=True)
@@ -99,14 +71,25 @@ def common_prefix_length(a: str, b: str) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
+def _refuse_dropped(record: Record, field: str, value: str, kind: str, where: str) -> None:
+    shown = value if len(value) <= 40 else value[:37] + "..."
+    raise DataError(
+        record.source,
+        f"{field}: the chat template does not show it ({shown!r} is not in its rendering of {where}), so "
+        f"the model would be trained without it; set data.chat_template to one that renders {kind} "
+        "(chatml-tools for ChatML models such as SmolLM2 and Qwen)",
+        reason="template_drops_field",
+    )
+
+
 class ChatRenderer:
     """Render records with a tokenizer's chat template and label the assistant turns.
 
     Args:
         tokenizer: a fast ``transformers`` tokenizer (character offsets are needed).
         max_seq_len: samples are cut to this many tokens before masking is evaluated.
-        chat_template: overrides the tokenizer's template (needed when it has none); ``"alpaca"``
-            selects :data:`ALPACA_CHAT_TEMPLATE`.
+        chat_template: overrides the tokenizer's template (needed when it has none): Jinja, or a
+            name from :data:`lit_instruct.data.templates.BUILTIN_TEMPLATES`.
         multi_turn: ``auto`` (one sample per conversation where the template is prefix-stable,
             else one per assistant turn), ``joint`` (always one; refuses unstable templates) or
             ``per_turn`` (always one per assistant turn).
@@ -189,8 +172,40 @@ class ChatRenderer:
                 ),
                 len(through),
             )
+            self._check_shown(record, i, through, "the answer", after=start)
             turns.append(AnswerTurn(through, ids, offsets, start, end, message.train))
+        if turns:
+            self._check_context_shown(record, turns[-1].text)
         return turns
+
+    def _check_shown(self, record: Record, i: int, text: str, where: str, after: int = 0) -> None:
+        """Refuse turn ``i`` when ``text`` (its rendering) lacks its content, reasoning or a tool
+        call's name or argument names, or has them only before character ``after`` (the answer's
+        start; a tool's name in the system prompt is no call): the template dropped a field."""
+        message = record.messages[i]
+        wanted = [("content", message.content.strip(), "the turn's text")]
+        if message.reasoning:
+            wanted.append(("reasoning_content", message.reasoning.strip(), "reasoning"))
+        for k, call in enumerate(json.loads(message.tool_calls) if message.tool_calls else []):
+            function = call["function"]
+            wanted += [(f"tool_calls[{k}]", function["name"], "tool calls")]
+            wanted += [
+                (f"tool_calls[{k}].arguments", f'"{key}"', "tool calls") for key in function["arguments"]
+            ]
+        for field, value, kind in wanted:
+            found = text.rfind(value)
+            if value and (found < 0 or found + len(value) <= after):
+                _refuse_dropped(record, f"messages[{i}].{field}", value, kind, where)
+
+    def _check_context_shown(self, record: Record, text: str) -> None:
+        """Refuse the record when the whole rendering lacks a context turn's text or a tool's name."""
+        for i, message in enumerate(record.messages):
+            if message.role != "assistant":
+                self._check_shown(record, i, text, "the conversation")
+        for k, tool in enumerate(json.loads(record.tools) if record.tools else []):
+            name = tool.get("function", tool).get("name")
+            if isinstance(name, str) and name not in text:
+                _refuse_dropped(record, f"tools[{k}]", name, "the tools offered", "the conversation")
 
     def _check_context_before(self, record: Record, i: int, start: int) -> None:
         """Refuse answer ``i`` when its span would start before the end of the message in front of

@@ -9,9 +9,11 @@ seconds (see :func:`load_hub_dataset`).
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +27,8 @@ from lit_instruct.network import reachable
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 """Files read as tables through ``datasets``."""
 DATA_SUFFIXES = (".json", ".jsonl", *TABLE_SUFFIXES)
+NOT_DATA = ("dataset_info.json",)
+"""Files of a data folder that describe it rather than hold records (LLaMA-Factory's mapping)."""
 CHATTERBOT = "chatterbot:"
 """Path prefix of the bundled chatterbot corpus: ``chatterbot:all``, ``chatterbot:greetings,ai``."""
 
@@ -74,6 +78,25 @@ class DataSource:
     def is_local(self) -> bool:
         """Whether ``path`` is on this machine (else a hub id, or the bundled chatterbot corpus)."""
         return Path(self.path).exists()
+
+    def check_exists(self) -> None:
+        """Refuse a path that looks local (a data file's suffix, ``./``, ``/``, ``~``, or a folder
+        that exists before its last part) but is not there, naming the closest names beside it.
+
+        Raises:
+            DataError: (``missing_source``) naming the path.
+        """
+        path = Path(self.path).expanduser()
+        if self.is_local or self.path.startswith(CHATTERBOT):
+            return
+        looks_local = path.suffix in DATA_SUFFIXES or self.path.startswith((".", "/", "~"))
+        if not looks_local and not (len(path.parts) > 2 and path.parent.is_dir()):
+            return  # a hub id (``owner/name``)
+        beside = sorted(p.name for p in path.parent.iterdir()) if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, beside, n=3, cutoff=0.6)
+        hint = f"; closest: {', '.join(str(path.parent / c) for c in close)}" if close else ""
+        where = "" if path.parent.is_dir() else f" (nor does its folder {path.parent})"
+        raise DataError(str(path), f"no such file or folder{where}{hint}", "missing_source")
 
 
 @dataclass(frozen=True)
@@ -153,9 +176,22 @@ def load_table(path: Path, split: str = "train") -> Any:
         return dataset
     if path.suffix == ".parquet":
         return datasets.Dataset.from_parquet(str(path))
-    if path.suffix == ".csv":
-        return datasets.Dataset.from_csv(str(path))
+    if path.suffix == ".csv":  # cells are text: `6` is an answer, not a number to refuse
+        return datasets.Dataset.from_csv(str(path), **csv_as_text(path))
     return datasets.Dataset.from_file(str(path))
+
+
+def csv_as_text(path: Path) -> dict[str, Any]:
+    """``datasets``' CSV options that read every cell as the text it is (pandas would make a number
+    of the answer ``6`` and NaN of ``NA``)."""
+    import csv
+
+    import datasets
+
+    with path.open(encoding="utf-8", newline="") as handle:
+        header = next(csv.reader(handle), [])
+    features = datasets.Features({name: datasets.Value("string") for name in header})
+    return {"features": features, "keep_default_na": False}
 
 
 def iter_rows(dataset: Any, where: str) -> Iterator[RawRecord]:
@@ -200,6 +236,14 @@ def data_files(path: Path) -> list[Path]:
     if not path.is_dir() or is_saved_dataset(path):
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_SUFFIXES)
+    described = [p for p in files if p.name in NOT_DATA]
+    if described:
+        warnings.warn(
+            f"{path}: not reading {', '.join(str(p) for p in described)}: it describes datasets "
+            "(LLaMA-Factory's mapping) and holds no records; set each source's format and columns instead",
+            stacklevel=2,
+        )
+        files = [p for p in files if p.name not in NOT_DATA]
     if not files:
         raise DataError(str(path), f"holds no data file ({', '.join(DATA_SUFFIXES)})", "missing_source")
     return files
@@ -214,8 +258,7 @@ def iter_source(source: DataSource, streaming: bool = False) -> Iterator[RawReco
     """
     path = Path(source.path)
     if not source.is_local:
-        if path.suffix in DATA_SUFFIXES or source.path.startswith((".", "/", "~")):
-            raise FileNotFoundError(f"data file {path} does not exist")
+        source.check_exists()
         dataset = load_hub_dataset(source.path, source.split, streaming)
         yield from iter_rows(dataset, f"{source.path}[{source.split}]")
         return
@@ -224,7 +267,10 @@ def iter_source(source: DataSource, streaming: bool = False) -> Iterator[RawReco
             import datasets
 
             builder = file.suffix[1:]
-            dataset = datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True)
+            text = csv_as_text(file) if builder == "csv" else {}
+            dataset = datasets.load_dataset(
+                builder, data_files=str(file), split="train", streaming=True, **text
+            )
             yield from iter_rows(dataset, str(file))
         elif file.is_dir() or file.suffix in TABLE_SUFFIXES:
             yield from iter_rows(load_table(file, source.split), str(file))
@@ -289,6 +335,7 @@ def fingerprint(source: DataSource) -> str:
             digest.update(file.name.encode() + b"\0" + file.read_bytes())
         return digest.hexdigest()
     if not source.is_local:
+        source.check_exists()
         digest.update(load_hub_dataset(source.path, source.split)._fingerprint.encode())
         return digest.hexdigest()
     for file in data_files(Path(source.path)):
