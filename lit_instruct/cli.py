@@ -16,6 +16,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.checkpoint_io import SafeCheckpointIO
 from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.records import DataError
+from lit_instruct.fsdp import launched_rank
 from lit_instruct.module import InstructLoRAModule
 from lit_instruct.secrets import redact
 
@@ -56,8 +58,9 @@ class InstructCLI(LightningCLI):
     """LightningCLI for instruction tuning: the datamodule's tokenizer follows ``model.model``, and
     the model is built for packed rows when ``data.packing`` is on.
 
-    ``fit`` measures ``val/loss`` before training (``--validate_before_fit``, on by default) and
-    after it, and prints both with where the adapter went.
+    ``fit`` reads, renders and checks the data before the model loads (a bad file fails in seconds,
+    not after minutes of loading), measures ``val/loss`` before training (``--validate_before_fit``,
+    on by default) and after it, and prints both with where the adapter went.
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -78,6 +81,18 @@ class InstructCLI(LightningCLI):
         parser.add_argument(
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )
+
+    def instantiate_classes(self) -> None:
+        """The data first (on the launching process: the other ranks read it from the cache or in
+        their own setup), then the model, the datamodule (handed the checked samples) and the Trainer."""
+        checked = None
+        if self.subcommand == "fit" and launched_rank() == 0:
+            checked = InstructDataModule(**self._get(self.config, "data").as_dict())
+            if not checked.streaming:
+                checked.prepared = checked.prepare_samples()
+        super().instantiate_classes()
+        if checked is not None and checked.hparams == self.datamodule.hparams:
+            self.datamodule.prepared = checked.prepared
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """The configured Trainer, saving checkpoints atomically and loading them ``weights_only``
@@ -270,4 +285,8 @@ def main(argv: list[str] | None = None) -> None:
     if command[:1] and command[0] in COMMANDS:
         COMMANDS[command[0]](command[1:])
         return
-    InstructCLI(args=argv)
+    try:
+        InstructCLI(args=argv)
+    except DataError as error:  # the file, line and field say it all: no traceback
+        sys.stderr.write(f"lit-instruct: data error: {error}\n")
+        raise SystemExit(2) from None

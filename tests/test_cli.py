@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,23 @@ def test_without_a_terminal_fit_prints_plain_progress_lines(
     assert re.fullmatch(rf"step 2/4 \(50%\) loss {number} eta \d+s", lines[0]), lines[0]
     assert re.fullmatch(rf"step 4/4 \(100%\) loss {number} eta 0s", lines[1]), lines[1]
     assert [duration(s) for s in (3, 123, 3723)] == ["3s", "2m03s", "1h02m03s"]
+
+
+def test_fit_checks_the_data_before_loading_the_model(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    """A bad record fails in seconds with its file:line and no traceback: the model (whose weights
+    here are unreadable) is never loaded."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(b"not weights")  # loading it would fail differently
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}\n'
+    )
+    args = ["fit", "--config", str(ROOT / "configs" / "lora.yaml"), "--model.model", str(model)]
+    args += ["--data.train_files", f"[{bad}]", "--trainer.logger", "false", "--trainer.accelerator", "cpu"]
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"lit-instruct: data error: {bad}:1: field 'messages[1].content' (assistant) is empty" in err
+    assert "Traceback" not in err
