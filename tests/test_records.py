@@ -281,3 +281,18 @@ def test_a_llama_factory_folder_skips_its_dataset_info_with_a_note(tmp_path: Pat
     with pytest.warns(UserWarning, match="not reading .*dataset_info.json: it describes datasets"):
         (record,) = read_source(tmp_path)
     assert record.messages[1] == Message("assistant", "Yo.")
+
+
+def test_errors_say_what_the_record_looks_like_and_which_columns_exist(tmp_path: Path) -> None:
+    chat = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}
+    path = write_jsonl(tmp_path / "chat.jsonl", [chat])
+    expected = (
+        f"{path}:1: format is alpaca but the record has no 'instruction', 'output'; its fields are "
+        "['messages'] (it looks like a chat record: set format: auto or chat)"
+    )
+    with pytest.raises(DataError, match=re.escape(expected)):
+        read_source(DataSource(str(path), format="alpaca"))
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"question": "Hi?", "reply": "Yo."}])
+    expected = f"{qa}:1: column 'answer' (mapped to 'completion' by columns) is missing; the record has ['question', 'reply']"
+    with pytest.raises(DataError, match=re.escape(expected)):
+        read_source(DataSource(str(qa), columns={"prompt": "question", "completion": "answer"}))

@@ -345,3 +345,48 @@ def test_a_held_out_part_named_like_a_validation_file_gets_its_own_name(tiny_mod
     texts = [[data.tokenizer.decode(ids) for ids in next(iter(loader))["input_ids"]] for loader in loaders]
     assert all("v answer" in t for t in texts[0]) and all("t answer" in t for t in texts[1])
     assert [next(iter(loader))["source"] for loader in loaders] == ["train", "train-held-out"]
+
+
+def test_validation_sources_take_the_sources_syntax_and_overlap_with_training_is_counted(
+    tiny_model_dir, tmp_path
+) -> None:
+    import datasets
+
+    train, val = qa_rows("t", 6), qa_rows("v", 3)
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(train), "validation": datasets.Dataset.from_list(val)}
+    ).save_to_disk(tmp_path / "dd")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(train)}).save_to_disk(tmp_path / "only_train")
+    renamed = write_jsonl(tmp_path / "renamed.jsonl", [{"q": r["prompt"], "a": r["completion"]} for r in val])
+
+    data = InstructDataModule(  # val_files shorthand: the DatasetDict's validation split
+        tokenizer=str(tiny_model_dir),
+        sources=[DataSource(str(tmp_path / "dd"))],
+        val_files=[str(tmp_path / "dd")],
+        cache=False,
+    )
+    data.setup("fit")
+    assert len(data.train_samples) == 6 and len(data.val_samples) == 3
+    assert "also_in_training" not in data.counts["val"]
+
+    data = InstructDataModule(  # full syntax: columns, format
+        tokenizer=str(tiny_model_dir),
+        sources=[DataSource(str(tmp_path / "dd"))],
+        val_sources=[DataSource(str(renamed), name="held", columns={"prompt": "q", "completion": "a"})],
+        cache=False,
+    )
+    data.setup("fit")
+    assert data.val_samples.counts_by_source() == {"held": 3}
+
+    data = InstructDataModule(  # the train split again: validated on, counted and warned about
+        tokenizer=str(tiny_model_dir),
+        sources=[DataSource(str(tmp_path / "dd"))],
+        val_files=[str(tmp_path / "only_train")],
+        cache=False,
+    )
+    with pytest.warns(
+        UserWarning,
+        match="validation source 'only_train': 6 of its 6 conversations are also in the training data",
+    ):
+        data.setup("fit")
+    assert data.counts["val"]["also_in_training"] == 6

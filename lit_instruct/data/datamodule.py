@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,6 +42,16 @@ def unique_names(sources: list[DataSource], taken: list[DataSource]) -> list[Dat
     return sources
 
 
+def validation_split(path: str) -> str:
+    """The split a ``val_files`` entry reads: a saved ``DatasetDict``'s ``validation`` (or ``val``,
+    ``test``) split when it has one, else ``train``."""
+    folder = Path(path)
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        return next((name for name in ("validation", "val", "test") if name in splits), "train")
+    return "train"
+
+
 class InstructDataModule(L.LightningDataModule):
     """Instruction data for causal-LM fine-tuning: files, folders, hub datasets, mixtures of them.
 
@@ -52,7 +63,10 @@ class InstructDataModule(L.LightningDataModule):
         train_files: shorthand for sources with default settings: JSON/JSONL, parquet, arrow or csv
             files, folders of them, ``save_to_disk`` folders or hub ids (alpaca, prompt/completion,
             chat or ShareGPT records).
-        val_files: held-out files; when empty, each source holds out its ``val_fraction``.
+        val_files: held-out files; when empty, each source holds out its ``val_fraction``. A saved
+            ``DatasetDict`` gives its ``validation`` (or ``val``, ``test``) split.
+        val_sources: held-out sources with the settings of ``sources`` (split, format, columns,
+            chat_template); with ``val_files``, both are validated on.
         chatterbot_categories: add the chatterbot-corpus English conversations of these categories
             (file stems such as ``greetings``; ``["all"]`` for every category).
         format: record format of the ``train_files`` / ``val_files``, or ``auto`` to detect it per record.
@@ -102,6 +116,7 @@ class InstructDataModule(L.LightningDataModule):
         sources: list[DataSource] | None = None,
         train_files: list[str] | None = None,
         val_files: list[str] | None = None,
+        val_sources: list[DataSource] | None = None,
         chatterbot_categories: list[str] | None = None,
         format: RecordFormat = "auto",
         max_seq_len: int = 512,
@@ -134,7 +149,7 @@ class InstructDataModule(L.LightningDataModule):
         )
         if chatterbot_categories:
             self.sources.append(DataSource(CHATTERBOT + ",".join(chatterbot_categories)))
-        if not (self.sources or val_files):
+        if not (self.sources or val_files or val_sources):
             raise ValueError(
                 "InstructDataModule needs data: set sources, train_files or chatterbot_categories "
                 "(or only val_files, to validate)"
@@ -143,7 +158,11 @@ class InstructDataModule(L.LightningDataModule):
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         self.save_hyperparameters()
         self.tokenizer_name = tokenizer
-        self.val_sources = unique_names([DataSource(path, format=format) for path in val_files or []], [])
+        self.val_sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in val_sources or []]
+        self.val_sources += unique_names(
+            [DataSource(path, format=format, split=validation_split(path)) for path in val_files or []],
+            self.val_sources,
+        )
         self.settings = DataSettings(
             max_seq_len=max_seq_len,
             multi_turn=multi_turn,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -130,6 +131,22 @@ def cache_key(
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+def _count_overlap(
+    train: list[list[Record]], val: list[list[Record]], names: list[str], counts: dict[str, Counter[str]]
+) -> None:
+    """Count (``also_in_training``) and warn about validation conversations that are trained on."""
+    trained = {record.key for records in train for record in records}
+    for records, name in zip(val, names, strict=True):
+        shared = sum(record.key in trained for record in records)
+        if shared:
+            counts[name]["also_in_training"] += shared
+            warnings.warn(
+                f"validation source {name!r}: {shared} of its {len(records)} conversations are also in "
+                "the training data, so val/loss measures them after training on them",
+                stacklevel=3,
+            )
+
+
 def _read(
     sources: Sequence[DataSource], split: str, rejects: Rejects, counts: dict[str, dict[str, Counter[str]]]
 ) -> list[list[Record]]:
@@ -176,6 +193,7 @@ def prepare(
             for records, name in zip(train_records, names, strict=True)
         ]
     val_records = _read(val_sources, "val", rejects, counts)
+    _count_overlap(train_records, val_records, val_names, counts["val"])
     held_out = []
     for i, source in enumerate(train_sources):
         fraction = source.val_fraction if source.val_fraction is not None else settings.val_fraction

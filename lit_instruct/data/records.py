@@ -119,7 +119,9 @@ def map_columns(raw: Any, columns: dict[str, str], source: str) -> Any:
     for ours, theirs in columns.items():
         if theirs not in raw:
             raise DataError(
-                source, f"column '{theirs}' (mapped to '{ours}' by columns) is missing", "missing_field"
+                source,
+                f"column '{theirs}' (mapped to '{ours}' by columns) is missing; the record has {sorted(raw)}",
+                "missing_field",
             )
         mapped[ours] = mapped.pop(theirs)
     return mapped
@@ -311,6 +313,31 @@ def _check_conversation(
         )
 
 
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "chat": ("messages",),
+    "sharegpt": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+}
+"""The fields each format needs."""
+
+
+def _refuse_other_format(raw: dict[str, Any], fmt: str, source: str) -> None:
+    """A record that lacks its format's fields: say what it looks like instead."""
+    missing = [key for key in REQUIRED[fmt] if key not in raw]
+    try:
+        looks = detect_format(raw, source)
+    except DataError:
+        looks = None
+    hint = f" (it looks like a {looks} record: set format: auto or {looks})" if looks else ""
+    raise DataError(
+        source,
+        f"format is {fmt} but the record has no {', '.join(repr(k) for k in missing)}; its fields are "
+        f"{sorted(raw)}{hint}",
+        "missing_field",
+    )
+
+
 def _alpaca_history(raw: dict[str, Any], source: str) -> tuple[Message, ...]:
     """LLaMA-Factory's alpaca ``history``: earlier ``[instruction, response]`` pairs, trained on as
     every answer of a conversation is."""
@@ -353,6 +380,8 @@ def to_record(
     raw = map_columns(raw, columns or {}, source)
     if fmt == "auto":
         fmt = detect_format(raw, source)
+    elif not set(REQUIRED[fmt]) <= set(raw):
+        _refuse_other_format(raw, fmt, source)
     tools = None
     if fmt in ("chat", "sharegpt"):
         key = "messages" if fmt == "chat" else "conversations"

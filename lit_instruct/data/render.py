@@ -157,7 +157,9 @@ class ChatRenderer:
                 continue
             if i == 0 or all(m.role == "system" for m in record.messages[:i]):
                 raise DataError(
-                    record.source, f"messages[{i}] is an assistant turn with no user turn before it"
+                    record.source,
+                    f"messages[{i}] is an assistant turn with no user turn before it",
+                    reason="no_user_turn",
                 )
             through = self._render(record, i + 1)
             start = common_prefix_length(self._render(record, i, add_generation_prompt=True), through)
