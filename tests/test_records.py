@@ -293,6 +293,9 @@ def test_errors_say_what_the_record_looks_like_and_which_columns_exist(tmp_path:
     with pytest.raises(DataError, match=re.escape(expected)):
         read_source(DataSource(str(path), format="alpaca"))
     qa = write_jsonl(tmp_path / "qa.jsonl", [{"question": "Hi?", "reply": "Yo."}])
-    expected = f"{qa}:1: column 'answer' (mapped to 'completion' by columns) is missing; the record has ['question', 'reply']"
+    expected = (
+        f"{qa}:1: column 'answer' (mapped to 'completion' by columns) is missing; "
+        "the record has ['question', 'reply']"
+    )
     with pytest.raises(DataError, match=re.escape(expected)):
         read_source(DataSource(str(qa), columns={"prompt": "question", "completion": "answer"}))
