@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Subset
 from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
 from lit_instruct.data.records import RecordFormat
-from lit_instruct.data.render import MultiTurn
+from lit_instruct.data.render import MultiTurn, TrainOn
 from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
@@ -106,8 +106,11 @@ class InstructDataModule(L.LightningDataModule):
         shuffle_buffer: records in the streaming shuffle buffer (1: reading order).
         multi_turn: ``auto`` (one sample per conversation where the chat template is prefix-stable,
             else one per assistant turn, counted ``split_per_turn``), ``joint`` (one per conversation;
-            a template that rewrites earlier turns is an error) or ``per_turn`` (one per assistant
-            turn, each rendered as the model sees it at that turn).
+            a template that rewrites earlier turns is an error), ``per_turn`` (one per assistant
+            turn, each rendered as the model sees it at that turn) or ``last`` (only the last
+            answer trained: LLaMA-Factory's ``mask_history``).
+        train_on: ``answers`` (the assistant turns) or ``all`` (every token of the rendering:
+            Axolotl's ``train_on_inputs``).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class InstructDataModule(L.LightningDataModule):
         rejects_file: str | None = None,
         packing: bool = False,
         multi_turn: MultiTurn = "auto",
+        train_on: TrainOn = "answers",
         num_proc: int = 1,
         cache: bool = True,
         cache_dir: str | None = None,
@@ -166,6 +170,7 @@ class InstructDataModule(L.LightningDataModule):
         self.settings = DataSettings(
             max_seq_len=max_seq_len,
             multi_turn=multi_turn,
+            train_on=train_on,
             chat_template=chat_template,
             val_fraction=val_fraction,
             split_seed=split_seed,

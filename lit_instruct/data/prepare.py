@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lit_instruct.data.records import Record
-from lit_instruct.data.render import ChatRenderer, MultiTurn
+from lit_instruct.data.render import ChatRenderer, MultiTurn, TrainOn
 from lit_instruct.data.sources import DataSource, fingerprint, read_source
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.tokenize import TokenizeSettings, tokenize
@@ -38,6 +38,7 @@ class DataSettings:
 
     max_seq_len: int = 512
     multi_turn: MultiTurn = "auto"
+    train_on: TrainOn = "answers"
     chat_template: str | None = None
     val_fraction: float = 0.05
     split_seed: int = 1234
@@ -75,7 +76,7 @@ class TemplateRenderers:
         template = source.chat_template or self.data.chat_template
         if template not in self.renderers:
             self.renderers[template] = ChatRenderer(
-                self.tokenizer, self.data.max_seq_len, template, self.data.multi_turn
+                self.tokenizer, self.data.max_seq_len, template, self.data.multi_turn, self.data.train_on
             )
         return self.renderers[template]
 

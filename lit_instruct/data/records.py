@@ -1,9 +1,12 @@
 """One parsed record -> a typed conversation; every record remembers where it came from.
 
-Four formats are understood, detected per record or set explicitly:
+Five formats are understood, detected per record or set explicitly:
 
-* alpaca: ``{"instruction": str, "input": str (optional), "output": str}``
-* prompt/completion: ``{"prompt": str, "completion": str}``
+* alpaca: ``{"instruction": str, "input": str (optional), "output": str, "system": str (optional),
+  "history": [[instruction, answer], ...] (optional)}``
+* prompt/completion: ``{"prompt": str, "completion": str}``, or TRL's conversational form where
+  both are message lists (the completion's answers are trained)
+* text: ``{"text": str}``, language-model style: every token trained, EOS appended
 * chat (OpenAI style): ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
   "tools": [...] (optional)}``; assistant turns may carry ``tool_calls`` (their content may then be
   empty) and ``reasoning_content`` (or ``thinking``); tool turns may carry ``tool_call_id`` and ``name``.
@@ -11,7 +14,8 @@ Four formats are understood, detected per record or set explicitly:
   LLaMA-Factory's ``function_call`` (an assistant tool call, its value the call's JSON) and
   ``observation`` (a tool result) turns.
 
-An assistant turn may carry ``"train": false``: it stays in the context but out of the loss. Tool
+A record's ``system`` field becomes its first turn. An assistant turn may carry ``"train": false``
+or ``"weight": 0``: it stays in the context but out of the loss. Tool
 results are context, never trained on; the assistant's tool-call text is. Field names can be mapped
 from the user's with ``columns`` (``{"instruction": "question"}``). Errors name the record's location
 and the field.
@@ -20,10 +24,10 @@ and the field.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-RecordFormat = Literal["auto", "alpaca", "prompt_completion", "chat", "sharegpt"]
+RecordFormat = Literal["auto", "alpaca", "prompt_completion", "chat", "sharegpt", "text"]
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -86,11 +90,12 @@ class Record:
     messages: tuple[Message, ...]
     source: str
     tools: str | None = None
+    text: str | None = None  # a plain-text record (format ``text``): every token is trained
 
     @property
     def key(self) -> tuple[Any, ...]:
         """What makes two records the same conversation (for de-duplication)."""
-        return (self.messages, self.tools)
+        return (self.messages, self.tools, self.text)
 
 
 def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
@@ -103,10 +108,13 @@ def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
         return "alpaca"
     if "prompt" in raw and "completion" in raw:
         return "prompt_completion"
+    if "text" in raw:
+        return "text"
     raise DataError(
         source,
         f"record has keys {sorted(raw)}; expected 'messages' (chat), 'conversations' (ShareGPT), "
-        "'instruction'+'output' (alpaca) or 'prompt'+'completion' (map other names with columns)",
+        "'instruction'+'output' (alpaca), 'prompt'+'completion' or 'text' (map other names with "
+        "columns)",
         reason="unknown_format",
     )
 
@@ -283,15 +291,15 @@ def _sharegpt_turn(turn: dict[str, Any], where: str, source: str) -> Message:
 
 def _turns(raw: dict[str, Any], source: str, key: str) -> tuple[Message, ...]:
     """The turns of a chat (``messages``) or ShareGPT (``conversations``) record."""
-    turns = raw[key]
+    turns = _json_value(raw[key], key, source)  # a table column may keep the list as JSON text
     if not isinstance(turns, list) or not turns:
         raise DataError(source, f"field '{key}' must be a non-empty list", reason="bad_type")
-    parse = _chat_turn if key == "messages" else _sharegpt_turn
+    parse = _sharegpt_turn if key == "conversations" else _chat_turn
     messages = []
     for i, turn in enumerate(turns):
         where = f"{key}[{i}]"
         if not isinstance(turn, dict):
-            fields = "role and content" if key == "messages" else "from and value"
+            fields = "from and value" if key == "conversations" else "role and content"
             raise DataError(source, f"field '{where}' must be an object with {fields}", "bad_type")
         messages.append(parse(turn, where, source))
     return tuple(messages)
@@ -318,6 +326,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "sharegpt": ("conversations",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
+    "text": ("text",),
 }
 """The fields each format needs."""
 
@@ -336,6 +345,15 @@ def _refuse_other_format(raw: dict[str, Any], fmt: str, source: str) -> None:
         f"{sorted(raw)}{hint}",
         "missing_field",
     )
+
+
+def _conversational_prompt_completion(raw: dict[str, Any], source: str) -> tuple[Message, ...]:
+    """TRL's conversational prompt/completion: both are message lists; the completion's answers are
+    trained, an answer inside the prompt is context."""
+    prompt = _turns({"prompt": raw["prompt"]}, source, "prompt")
+    completion = _turns({"completion": raw["completion"]}, source, "completion")
+    context = tuple(replace(m, train=False) if m.role == "assistant" else m for m in prompt)
+    return context + completion
 
 
 def _alpaca_history(raw: dict[str, Any], source: str) -> tuple[Message, ...]:
@@ -395,6 +413,13 @@ def to_record(
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
         answer = Message("assistant", _string_field(raw, "output", source))
         messages = (*_alpaca_history(raw, source), Message("user", prompt), answer)
+    elif fmt == "text":
+        text = _string_field(raw, "text", source)
+        if not text.strip():
+            raise DataError(source, "field 'text' is empty", "empty_content")
+        return Record((), source, text=text)
+    elif isinstance(raw["prompt"], list | tuple) or isinstance(raw["completion"], list | tuple):
+        messages = _conversational_prompt_completion(raw, source)
     else:
         messages = (
             Message("user", _string_field(raw, "prompt", source)),

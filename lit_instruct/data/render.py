@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from lit_instruct.data.records import DataError, Record
 from lit_instruct.data.templates import resolve_chat_template
 from lit_instruct.labels import IGNORE_INDEX
 
-MultiTurn = Literal["auto", "joint", "per_turn"]
+MultiTurn = Literal["auto", "joint", "per_turn", "last"]
+TrainOn = Literal["answers", "all"]
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,11 @@ class ChatRenderer:
         chat_template: overrides the tokenizer's template (needed when it has none): Jinja, or a
             name from :data:`lit_instruct.data.templates.BUILTIN_TEMPLATES`.
         multi_turn: ``auto`` (one sample per conversation where the template is prefix-stable,
-            else one per assistant turn), ``joint`` (always one; refuses unstable templates) or
-            ``per_turn`` (always one per assistant turn).
+            else one per assistant turn), ``joint`` (always one; refuses unstable templates),
+            ``per_turn`` (always one per assistant turn) or ``last`` (the last answer only,
+            LLaMA-Factory's ``mask_history``: earlier answers are context).
+        train_on: ``answers`` (the assistant turns) or ``all`` (every token: Axolotl's
+            ``train_on_inputs``).
     """
 
     def __init__(
@@ -101,13 +105,17 @@ class ChatRenderer:
         max_seq_len: int,
         chat_template: str | None = None,
         multi_turn: MultiTurn = "auto",
+        train_on: TrainOn = "answers",
     ) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("lit-instruct needs a fast tokenizer (character offsets) to place masks exactly")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-        if multi_turn not in ("auto", "joint", "per_turn"):
-            raise ValueError(f"multi_turn must be auto, joint or per_turn, got {multi_turn!r}")
+        if multi_turn not in ("auto", "joint", "per_turn", "last"):
+            raise ValueError(f"multi_turn must be auto, joint, per_turn or last, got {multi_turn!r}")
+        if train_on not in ("answers", "all"):
+            raise ValueError(f"train_on must be answers or all, got {train_on!r}")
+        self.train_on = train_on
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.multi_turn = multi_turn
@@ -270,8 +278,19 @@ class ChatRenderer:
         return self._sample(record, ids, offsets, [(t.start, t.end) for t in turns if t.train])
 
     def samples(self, record: Record) -> tuple[list[Sample], bool]:
-        """The record's samples under ``multi_turn``, and whether it was split per turn."""
+        """The record's samples under ``multi_turn`` and ``train_on``, and whether it was split per
+        turn."""
+        if record.text is not None:
+            return [self._text_sample(record)], False
+        samples, split = self._answer_samples(record)
+        if self.train_on == "all":
+            samples = [replace(sample, labels=list(sample.input_ids)) for sample in samples]
+        return samples, split
+
+    def _answer_samples(self, record: Record) -> tuple[list[Sample], bool]:
         turns = self.answer_turns(record)
+        if self.multi_turn == "last":  # earlier answers are context
+            turns = [replace(turn, train=False) for turn in turns[:-1]] + turns[-1:]
         if self.multi_turn != "per_turn":
             try:
                 return [self._joint(record, turns)], False
@@ -280,3 +299,12 @@ class ChatRenderer:
                     raise
         trained = [t for t in turns if t.train]  # a context-only answer is no sample of its own
         return [self._sample(record, t.ids, t.offsets, [(t.start, t.end)]) for t in trained], True
+
+    def _text_sample(self, record: Record) -> Sample:
+        """A plain-text record, language-model style: every token trained, EOS appended."""
+        assert record.text is not None
+        ids = list(self.tokenizer(record.text)["input_ids"])
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids.append(eos)
+        return Sample(ids[: self.max_seq_len], ids[: self.max_seq_len], record.source, len(ids))
