@@ -124,7 +124,7 @@ GOOD = '{"prompt": "ok", "completion": "ok"}'
 BAD_LINES = {  # reason: (line 2 of a file between two good lines, the expected message after "file:2: ")
     "bad_type": ('{"prompt": "x", "completion": 3}', r"field 'completion' must be a string, got int"),
     "missing_field": ('{"instruction": "x"}', r"field 'output' is missing"),
-    "unknown_format": ('{"text": "x"}', r"record has keys \['text'\]; expected 'messages'"),
+    "unknown_format": ('{"body": "x"}', r"record has keys \['body'\]; expected 'messages'"),
     "truncated_line": ('{"prompt": "x", "completion": "y', r"line is truncated: the JSON ends early"),
     "invalid_json": ('{"prompt": "x" "completion": "y"}', r"invalid JSON at column 16: Expecting ','"),
     "blank_line": ("", r"blank line"),
