@@ -299,3 +299,30 @@ def test_errors_say_what_the_record_looks_like_and_which_columns_exist(tmp_path:
     )
     with pytest.raises(DataError, match=re.escape(expected)):
         read_source(DataSource(str(qa), columns={"prompt": "question", "completion": "answer"}))
+
+
+def test_fields_no_format_uses_are_counted_and_fields_we_cannot_honour_refused(tmp_path: Path) -> None:
+    from collections import Counter
+
+    rows = [
+        {
+            "id": 7,
+            "messages": [
+                {"role": "user", "content": "Hi", "refusal": None, "lang": "en"},
+                {"role": "assistant", "content": "Yo", "lang": "en"},
+            ],
+        },
+        {"id": 8, "instruction": "Hi?", "output": "Yo.", "source": ""},
+    ]
+    counts: Counter[str] = Counter()
+    first, second = read_source(DataSource(str(write_jsonl(tmp_path / "extra.jsonl", rows))), counts=counts)
+    assert first.unused == ("id", "messages[].lang") and second.unused == ("id",)
+    assert counts == Counter({"unused_field_id": 2, "unused_field_messages[].lang": 1})
+
+    for field, value, what in (
+        ("images", ["cat.png"], "images (text-only training"),
+        ("rejected", "No.", "a preference pair"),
+    ):
+        path = write_jsonl(tmp_path / f"{field}.jsonl", [{"prompt": "Hi", "completion": "Yo", field: value}])
+        with pytest.raises(DataError, match=re.escape(f"{path}:1: field '{field}' holds {what}")):
+            read_source(path)

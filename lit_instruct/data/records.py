@@ -41,6 +41,26 @@ SHAREGPT_ROLES = {
 }
 """ShareGPT's ``from`` values and the roles they are."""
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+RECORD_FIELDS = {
+    "chat": {"messages", "tools", "system"},
+    "sharegpt": {"conversations", "tools", "system"},
+    "alpaca": {"instruction", "input", "output", "system", "history"},
+    "prompt_completion": {"prompt", "completion", "system"},
+    "text": {"text"},
+}
+"""The record fields each format uses; any other is counted as unused (``unused_field_<name>``)."""
+TURN_FIELDS = {"role", "content", "from", "value", "train", "weight", "tool_calls", "tool_call_id", "name"}
+TURN_FIELDS |= set(REASONING_KEYS)
+REFUSED_FIELDS = {
+    "images": "images (text-only training: the model would learn answers about pictures it never saw)",
+    "videos": "videos (text-only training)",
+    "audios": "audio (text-only training)",
+    "chosen": "a preference pair (DPO-style data; this trains on demonstrations)",
+    "rejected": "a preference pair (DPO-style data; this trains on demonstrations)",
+    "function_call": "OpenAI's legacy function_call (use tool_calls)",
+    "functions": "OpenAI's legacy functions (use tools)",
+}
+"""Fields that mean something lit-instruct cannot honour: a record carrying one is refused."""
 """Where assistant turns keep their reasoning; templates are given it under the first two names."""
 
 
@@ -91,6 +111,7 @@ class Record:
     source: str
     tools: str | None = None
     text: str | None = None  # a plain-text record (format ``text``): every token is trained
+    unused: tuple[str, ...] = ()  # fields read but not used (``id``, ``messages[].foo``): counted
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -356,6 +377,34 @@ def _conversational_prompt_completion(raw: dict[str, Any], source: str) -> tuple
     return context + completion
 
 
+def _unused_fields(raw: dict[str, Any], fmt: str, source: str) -> tuple[str, ...]:
+    """The non-empty fields of the record and of its turns that ``fmt`` does not use; a field in
+    :data:`REFUSED_FIELDS` is an error."""
+    turn_lists = [k for k in ("messages", "conversations", "prompt", "completion") if k in RECORD_FIELDS[fmt]]
+    fields = [(key, value) for key, value in raw.items() if key not in RECORD_FIELDS[fmt]]
+    for key in turn_lists:
+        turns = raw.get(key)
+        if isinstance(turns, list):
+            fields += [
+                (f"{key}[].{name}", value)
+                for turn in turns
+                if isinstance(turn, dict)
+                for name, value in turn.items()
+                if name not in TURN_FIELDS
+            ]
+    unused = []
+    for name, value in fields:
+        if value is None or value == [] or value == {} or value == "":
+            continue  # a table's empty column, an export's ``refusal: null``: nothing is lost
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in REFUSED_FIELDS:
+            raise DataError(
+                source, f"field '{name}' holds {REFUSED_FIELDS[leaf]}: refused", "unsupported_field"
+            )
+        unused.append(name)
+    return tuple(sorted(set(unused)))
+
+
 def _alpaca_history(raw: dict[str, Any], source: str) -> tuple[Message, ...]:
     """LLaMA-Factory's alpaca ``history``: earlier ``[instruction, response]`` pairs, trained on as
     every answer of a conversation is."""
@@ -400,6 +449,7 @@ def to_record(
         fmt = detect_format(raw, source)
     elif not set(REQUIRED[fmt]) <= set(raw):
         _refuse_other_format(raw, fmt, source)
+    unused = _unused_fields(raw, fmt, source)
     tools = None
     if fmt in ("chat", "sharegpt"):
         key = "messages" if fmt == "chat" else "conversations"
@@ -417,7 +467,7 @@ def to_record(
         text = _string_field(raw, "text", source)
         if not text.strip():
             raise DataError(source, "field 'text' is empty", "empty_content")
-        return Record((), source, text=text)
+        return Record((), source, text=text, unused=unused)
     elif isinstance(raw["prompt"], list | tuple) or isinstance(raw["completion"], list | tuple):
         messages = _conversational_prompt_completion(raw, source)
     else:
@@ -430,4 +480,4 @@ def to_record(
         _check_conversation(messages, source, "conversations", "value")
     else:
         _check_conversation(messages, source)
-    return Record(messages, source, tools)
+    return Record(messages, source, tools, unused=unused)

@@ -297,6 +297,13 @@ def parse(raw: RawRecord, source: DataSource) -> Record:
     return to_record(raw.value, raw.source, source.format, source.columns)
 
 
+def count_unused(record: Record, counts: Counter[str] | None) -> None:
+    """Count the fields ``record`` carried but no format uses (reported at setup, never silent)."""
+    if counts is not None:
+        for name in record.unused:
+            counts[f"unused_field_{name}"] += 1
+
+
 def read_source(
     source: DataSource | str | Path,
     on_bad: Callable[[RawRecord, DataError], None] | None = None,
@@ -317,7 +324,9 @@ def read_source(
     records = []
     for raw in iter_source(source):
         try:
-            records.append(parse(raw, source))
+            record = parse(raw, source)
+            records.append(record)
+            count_unused(record, counts)
         except DataError as error:
             if on_bad is None:
                 raise

@@ -23,7 +23,7 @@ from torch.utils.data import IterableDataset
 
 from lit_instruct.data.records import DataError, Record
 from lit_instruct.data.render import Sample
-from lit_instruct.data.sources import DataSource, iter_source, parse
+from lit_instruct.data.sources import DataSource, count_unused, iter_source, parse
 from lit_instruct.data.tokenize import TokenizeSettings
 from lit_instruct.data.validation import Rejects, build_samples
 
@@ -78,10 +78,14 @@ class SampleStream(IterableDataset):
                 if (index - 1) % self.world_size != self.rank:
                     continue
                 try:
-                    yield number, parse(raw, source)
+                    record = parse(raw, source)
                 except DataError as error:
                     if epoch == 0:
                         self.rejects.handle(error, raw.text, self.counts)
+                    continue
+                if epoch == 0:
+                    count_unused(record, self.counts)
+                yield number, record
 
     def shuffled(self, epoch: int) -> Iterator[tuple[int, Record]]:
         """The records through a seeded buffer: each leaving one is drawn from the buffer at random."""
