@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -142,6 +143,49 @@ class InstructCLI(LightningCLI):
             rank_zero_info(f"  {name} {self.before[name]:.4f} -> {after[name]:.4f}")
 
 
+class DataOnlyCLI(InstructCLI):
+    """The ``fit`` command line (configs, ``--data.*``, the tokenizer linked to ``model.model``)
+    building only the datamodule: no model weights are read."""
+
+    def instantiate_classes(self) -> None:
+        self.datamodule = InstructDataModule(**self._get(self.config, "data").as_dict())
+
+
+def inspect_main(argv: list[str]) -> None:
+    """``lit-instruct inspect --config X.yaml [--samples N] [--html report.html]``: read, render and
+    check the data exactly as ``fit`` would (the same cache), without loading the model's weights;
+    print per source the counts, token lengths and samples with the trained tokens marked. Exit 1
+    when records were skipped as bad, 2 on a data error."""
+    from lit_instruct.data.report import html_page, source_reports, terminal_text, write_atomically
+
+    parser = argparse.ArgumentParser(
+        prog="lit-instruct inspect", description=inspect_main.__doc__, add_help=False
+    )
+    parser.add_argument("--samples", type=int, default=3, help="samples shown per source (default 3)")
+    parser.add_argument("--html", help="also write the report as one self-contained HTML page here")
+    args, rest = parser.parse_known_args(argv)
+    with warnings.catch_warnings():  # Lightning warns when args are given while sys.argv has some
+        warnings.filterwarnings("ignore", "LightningCLI's args parameter")
+        data = DataOnlyCLI(args=rest, run=False).datamodule
+    prepared = data.prepare_samples()
+    tokenizer = data.load_tokenizer()
+    reports = [
+        *source_reports("train", prepared.train, prepared.counts["train"], args.samples),
+        *source_reports("val", prepared.val, prepared.counts["val"], args.samples),
+    ]
+    sys.stdout.write(terminal_text(reports, tokenizer, colour=sys.stdout.isatty()))
+    if args.html:
+        write_atomically(
+            args.html, html_page(reports, tokenizer, f"lit-instruct inspect: {data.tokenizer_name}")
+        )
+        sys.stdout.write(f"lit-instruct: report written to {args.html}\n")
+    if prepared.rejects:
+        sys.stderr.write(
+            f"lit-instruct: {len(prepared.rejects)} records skipped as bad (see the counts above)\n"
+        )
+        raise SystemExit(1)
+
+
 def prepare_main(argv: list[str]) -> None:
     """``lit-instruct prepare``: convert the bundled model(s) into the cache folder."""
     from lit_instruct.models import BUNDLED_MODELS, SMOLLM2_NAME
@@ -271,6 +315,7 @@ def chat_main(argv: list[str]) -> None:
 
 
 COMMANDS = {
+    "inspect": inspect_main,
     "prepare": prepare_main,
     "export": export_main,
     "generate": generate_main,
@@ -282,11 +327,11 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lit-instruct`` command."""
     command = sys.argv[1:] if argv is None else argv
-    if command[:1] and command[0] in COMMANDS:
-        COMMANDS[command[0]](command[1:])
-        return
     try:
-        InstructCLI(args=argv)
+        if command[:1] and command[0] in COMMANDS:
+            COMMANDS[command[0]](command[1:])
+        else:
+            InstructCLI(args=argv)
     except DataError as error:  # the file, line and field say it all: no traceback
         sys.stderr.write(f"lit-instruct: data error: {error}\n")
         raise SystemExit(2) from None

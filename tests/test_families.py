@@ -64,7 +64,7 @@ def assert_relatively_close(
     actual: torch.Tensor, expected: torch.Tensor, msg: str = "", tolerance: float = 1e-5
 ) -> None:
     """Equal to ``tolerance`` relative to the tensor's largest entry (fp32 rounding of reordered sums)."""
-    scale = float(expected.abs().max())
+    scale = float(expected.detach().abs().max())
     torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance * scale, msg=msg or None)
 
 
