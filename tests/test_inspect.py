@@ -120,3 +120,11 @@ def test_inspect_exits_non_zero_on_bad_records(tiny_model_dir, tmp_path, capsys)
         main(args_for(tiny_model_dir, bad, "--data.val_fraction", "0", "--data.on_bad_record", "skip"))
     assert exited.value.code == 1
     assert "1 records skipped as bad" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_inspect_works_on_every_bundled_config(config, tiny_model_dir, capsys) -> None:
+    """Each config parses and its data section renders (the tiny model shares SmolLM2's tokenizer)."""
+    args = ["inspect", "--config", str(ROOT / "configs" / config), "--model.model", str(tiny_model_dir)]
+    main([*args, "--samples", "1"])
+    assert re.search(r"== train / \S+: \d+ samples", capsys.readouterr().out)

@@ -267,6 +267,8 @@ class InstructDataModule(L.LightningDataModule):
         prepared = self.prepared
         for split, store in (("train", prepared.train), ("val", prepared.val)):
             counts = prepared.totals(split)
+            if not counts:  # streamed training data, or no validation: nothing prepared to report
+                continue
             rank_zero_info(f"lit-instruct data [{split}]: {key_values(sorted(counts.items()))}")
             if len(store.names) > 1:
                 rank_zero_info(f"lit-instruct data [{split}] {key_values(store.counts_by_source().items())}")
@@ -350,10 +352,11 @@ class InstructDataModule(L.LightningDataModule):
     def teardown(self, stage: str) -> None:
         """Report what the stream read and skipped, and write its rejected records."""
         stream = self.stream
-        if stream is None:  # the same on every rank: the collectives below stay in step
-            return
-        rank_zero_info(f"lit-instruct data [train, streamed]: {key_values(sorted(stream.counts.items()))}")
-        ranks = gather_objects(stream.rejects.rows)  # each rank read its own records
+        if stream is None or stage != TrainerFn.FITTING:  # once, after fit (not again after validate);
+            return  # the same on every rank, so the collectives below stay in step
+        counts = sum(gather_objects(stream.counts), Counter())  # each rank read its own records
+        rank_zero_info(f"lit-instruct data [train, streamed]: {key_values(sorted(counts.items()))}")
+        ranks = gather_objects(stream.rejects.rows)
         self._write_rejects([row for rows in ranks for row in rows])
 
     def _write_rejects(self, rows: list[dict[str, Any]]) -> None:
