@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
@@ -28,6 +30,7 @@ from lit_instruct.fsdp import (
     shard_model,
 )
 from lit_instruct.fused_lora import fuse_lora as fuse_lora_layers
+from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.model import (
     AttnImplementation,
@@ -53,6 +56,28 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> A
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+LossChoice = Literal["fused", "reference"]
+
+
+def resolve_loss(loss: LossChoice | Callable | None) -> LossFn:
+    """The loss a module computes with: ``fused`` (:class:`FusedLinearCrossEntropy`), ``reference``
+    or ``None`` (the reference until a ``fused_ce*`` strategy installs the fused one), or any callable
+    with the :class:`~lit_instruct.loss.LossFn` signature (a ``class_path`` in YAML)."""
+    if loss is None or loss == "reference":
+        return reference_linear_cross_entropy
+    if loss == "fused":
+        return FusedLinearCrossEntropy()
+    if isinstance(loss, str) or not callable(loss):
+        raise ValueError(f"model.loss must be fused, reference or a callable loss, got {loss!r}")
+    return loss  # a callable with the loss signature, as documented
+
+
+def _name_of(loss: Callable) -> str:
+    """A configured loss's name (hyperparameters hold names, not objects): a function's, or the
+    class of a callable object."""
+    return str(getattr(loss, "__qualname__", None) or type(loss).__qualname__)
 
 
 def adamw(
@@ -104,6 +129,14 @@ class InstructLoRAModule(L.LightningModule):
             ranks build it on the meta device and receive their shards from rank 0 when it is
             sharded, so no other rank ever holds the whole base (a 4-bit base still loads on every
             rank: it is quantized from its weights).
+        loss: ``fused``, ``reference``, or any callable with the loss signature (``class_path`` in
+            YAML: Liger's or Cut Cross-Entropy's behind a small adapter); ``None`` (default): the
+            reference, replaced by the fused loss under a ``fused_ce*`` strategy. A loss set here
+            is kept whatever the strategy.
+        optimizer: the optimizer over the adapter weights, as LightningCLI configures one
+            (``{class_path: torch.optim.SGD, init_args: {lr: 0.05}}``); its learning rate is the
+            peak of the warmup-cosine schedule, and ``learning_rate``, ``betas`` and
+            ``weight_decay`` are then unused. Default: AdamW with those.
         fuse_lora: run the adapters of projections that share an input (q/k/v, gate/up) and SwiGLU
             MLPs as fused autograd nodes (:mod:`lit_instruct.fused_lora`): the same adapters and
             results, fewer and smaller ops and saved activations; checked against PEFT's own
@@ -130,13 +163,22 @@ class InstructLoRAModule(L.LightningModule):
         packing: bool = False,
         low_memory_load: bool = False,
         fuse_lora: bool = True,
+        loss: LossChoice
+        | Callable
+        | None = None,  # Callable, not LossFn: jsonargparse then builds a class_path
+        optimizer: OptimizerCallable | None = None,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
         if isinstance(quantization, dict):
             quantization = QuantizationConfig(**quantization)
         self.quantization = quantization or QuantizationConfig()
-        self.save_hyperparameters(ignore=["lora", "quantization"])
+        self.save_hyperparameters(ignore=["lora", "quantization", "loss", "optimizer"])
+        # init arguments that are objects are recorded by name, under keys no reload passes back
+        self.hparams["loss"] = loss if loss is None or isinstance(loss, str) else None
+        self.hparams["loss_class"] = None if loss is None or isinstance(loss, str) else _name_of(loss)
+        self.hparams["optimizer_class"] = None  # set once configure_optimizers has built it
+        self.optimizer_factory = optimizer
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
         meta_ranks = low_memory_load and self.quantization.method == "none"
@@ -165,7 +207,8 @@ class InstructLoRAModule(L.LightningModule):
         if compile_layers:
             for layer in decoder_of(self.base_model).layers:
                 layer.compile(dynamic=True)
-        self.loss_fn: LossFn = reference_linear_cross_entropy
+        self.loss_fn: LossFn = resolve_loss(loss)
+        self.loss_from_config = loss is not None  # a strategy's fused loss does not replace it
         self.window = TokenWindow()
         self.val_loss = MeanMetric()
         self.val_tokens = SumMetric()
@@ -329,7 +372,11 @@ class InstructLoRAModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         hparams = self.hparams
-        optimizer = adamw(params, hparams["learning_rate"], hparams["betas"], hparams["weight_decay"])
+        if self.optimizer_factory is not None:  # its own learning rate is the peak of the schedule
+            optimizer = self.optimizer_factory(params)
+            hparams["optimizer_class"] = type(optimizer).__qualname__
+        else:
+            optimizer = adamw(params, hparams["learning_rate"], hparams["betas"], hparams["weight_decay"])
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = warmup_cosine(hparams["warmup_steps"], total, hparams["min_lr_ratio"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

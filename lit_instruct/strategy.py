@@ -24,7 +24,8 @@ from lit_instruct.loss.fused import Backend, FusedLinearCrossEntropy
 
 
 class FusedCEMixin:
-    """Installs :class:`FusedLinearCrossEntropy` as ``lightning_module.loss_fn`` at setup.
+    """Installs :class:`FusedLinearCrossEntropy` as ``lightning_module.loss_fn`` at setup, unless
+    the module's loss was set in its config (``model.loss``).
 
     Args:
         chunk_size: token rows per chunk (default: a 512 MiB fp32 logits workspace).
@@ -44,7 +45,8 @@ class FusedCEMixin:
         module = self.lightning_module  # type: ignore[attr-defined]
         if not hasattr(module, "loss_fn"):
             raise TypeError(f"{type(module).__name__} has no `loss_fn` for the fused_ce strategy to replace")
-        module.loss_fn = self.loss
+        if not getattr(module, "loss_from_config", False):  # model.loss, when set, wins
+            module.loss_fn = self.loss
 
 
 class FusedCESingleDeviceStrategy(FusedCEMixin, SingleDeviceStrategy):

@@ -24,7 +24,9 @@ def fit(tiny_model_dir: Path, chat_file: Path, tmp_path: Path, *extra: str) -> I
     return InstructCLI(args=[*args, *extra])
 
 
-def test_the_loss_set_in_the_config_is_kept_under_the_fused_strategy(tiny_model_dir, chat_file, tmp_path) -> None:
+def test_the_loss_set_in_the_config_is_kept_under_the_fused_strategy(
+    tiny_model_dir, chat_file, tmp_path
+) -> None:
     default = fit(tiny_model_dir, chat_file, tmp_path / "default")  # lora.yaml: strategy fused_ce
     assert isinstance(default.model.loss_fn, FusedLinearCrossEntropy)
     reference = fit(tiny_model_dir, chat_file, tmp_path / "reference", "--model.loss", "reference")
@@ -38,20 +40,33 @@ def test_the_loss_set_in_the_config_is_kept_under_the_fused_strategy(tiny_model_
         '{"class_path": "lit_instruct.loss.fused.FusedLinearCrossEntropy", "init_args": {"chunk_size": 7}}',
     )
     assert isinstance(custom.model.loss_fn, FusedLinearCrossEntropy) and custom.model.loss_fn.chunk_size == 7
+    assert custom.model.hparams["loss_class"] == "FusedLinearCrossEntropy"
 
 
-def test_an_optimizer_set_in_the_config_trains_the_adapters_on_the_schedule(tiny_model_dir, chat_file, tmp_path) -> None:
-    cli = fit(tiny_model_dir, chat_file, tmp_path, "--model.optimizer", "torch.optim.SGD", "--model.optimizer.lr", "0.05")
+def test_an_optimizer_set_in_the_config_trains_the_adapters_on_the_schedule(
+    tiny_model_dir, chat_file, tmp_path
+) -> None:
+    cli = fit(
+        tiny_model_dir,
+        chat_file,
+        tmp_path,
+        "--model.optimizer",
+        "torch.optim.SGD",
+        "--model.optimizer.lr",
+        "0.05",
+    )
     (optimizer,) = cli.trainer.optimizers
     assert type(optimizer) is torch.optim.SGD
     trainable = {id(p) for p in cli.model.parameters() if p.requires_grad}
     assert {id(p) for group in optimizer.param_groups for p in group["params"]} == trainable
     assert optimizer.param_groups[0]["initial_lr"] == 0.05  # the warmup-cosine schedule runs on its lr
-    assert cli.model.hparams["optimizer"] == "SGD"
+    assert cli.model.hparams["optimizer_class"] == "SGD"
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_a_loss_that_is_no_loss_is_refused() -> None:
-    with pytest.raises(ValueError, match="model.loss must be fused, reference or a callable loss, got 'liger'"):
+    with pytest.raises(
+        ValueError, match=r"model\.loss must be fused, reference or a callable loss, got 'liger'"
+    ):
         resolve_loss("liger")  # type: ignore[arg-type]
     assert isinstance(resolve_loss("fused"), FusedLinearCrossEntropy)

@@ -354,7 +354,7 @@ class InstructDataModule(L.LightningDataModule):
         stream = self.stream
         if stream is None or stage != TrainerFn.FITTING:  # once, after fit (not again after validate);
             return  # the same on every rank, so the collectives below stay in step
-        counts = sum(gather_objects(stream.counts), Counter())  # each rank read its own records
+        counts: Counter[str] = sum(gather_objects(stream.counts), Counter())  # each rank read its own records
         rank_zero_info(f"lit-instruct data [train, streamed]: {key_values(sorted(counts.items()))}")
         ranks = gather_objects(stream.rejects.rows)
         self._write_rejects([row for rows in ranks for row in rows])
