@@ -24,6 +24,16 @@ COMMON = dict(
 WINDOW = 5
 """Sliding window of the windowed families: shorter than every test sample."""
 
+DELTA_NET: dict[str, Any] = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"],
+}
+"""Gated delta-net linear attention in the first layer, full attention in the second."""
+
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "qwen2": (
@@ -134,12 +144,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 32,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
+            **DELTA_NET,
         },
     ),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
@@ -178,14 +183,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen3_5": (  # gated delta-net linear attention and full attention
         "Qwen3_5TextConfig",
-        {
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-        },
+        DELTA_NET,
     ),
     "granitemoehybrid": (  # Granite 4: Mamba-2 layers and attention, MoE with a shared MLP
         "GraniteMoeHybridConfig",

@@ -22,6 +22,12 @@ CONVERSATION = [
 ]
 CONTEXT = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 SECOND = "\n<|im_start|>user\nHow are you?<|im_end|>\n<|im_start|>assistant\n"
+LAST_ANSWER_ONLY = [
+    (CONTEXT + "Hello there<|im_end|>" + SECOND, False),
+    ("Fine, thanks.<|im_end|>", True),
+    ("\n", False),
+]
+"""The conversation's pieces when only its last answer trains."""
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -40,24 +46,14 @@ def test_trl_conversational_prompt_completion_trains_the_completion_only(tokeniz
     (record,) = read_source(write_jsonl(tmp_path / "trl.jsonl", [row]))
     assert record.messages[2] == Message("assistant", "Hello there", train=False)
     (sample,), _ = ChatRenderer(tokenizer, 512).samples(record)
-    pieces = [
-        (CONTEXT + "Hello there<|im_end|>" + SECOND, False),
-        ("Fine, thanks.<|im_end|>", True),
-        ("\n", False),
-    ]
-    assert_sample(sample, tokenizer, pieces)
+    assert_sample(sample, tokenizer, LAST_ANSWER_ONLY)
 
 
 def test_multi_turn_last_trains_only_the_last_answer(tokenizer, tmp_path) -> None:
     (record,) = read_source(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}]))
     (sample,), split = ChatRenderer(tokenizer, 512, multi_turn="last").samples(record)
     assert not split
-    pieces = [
-        (CONTEXT + "Hello there<|im_end|>" + SECOND, False),
-        ("Fine, thanks.<|im_end|>", True),
-        ("\n", False),
-    ]
-    assert_sample(sample, tokenizer, pieces)
+    assert_sample(sample, tokenizer, LAST_ANSWER_ONLY)
 
 
 def test_train_on_all_labels_every_token(tokenizer, tmp_path) -> None:
