@@ -156,7 +156,8 @@ def inspect_main(argv: list[str]) -> None:
     check the data exactly as ``fit`` would (the same cache), without loading the model's weights;
     print per source the counts, token lengths and samples with the trained tokens marked. Exit 1
     when records were skipped as bad, 2 on a data error."""
-    from lit_instruct.data.report import html_page, source_reports, terminal_text, write_atomically
+    from lit_instruct.data.report import html_page, source_reports, terminal_text
+    from lit_instruct.io import write_atomically
 
     parser = argparse.ArgumentParser(
         prog="lit-instruct inspect", description=inspect_main.__doc__, add_help=False

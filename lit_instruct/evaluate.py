@@ -99,7 +99,7 @@ def write_answers(
 
     from lit_instruct.data.sources import read_source
     from lit_instruct.generate import generate
-    from lit_instruct.model import resolve_model_path
+    from lit_instruct.models import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(module.hparams["model"]))
     lines = []

@@ -7,40 +7,16 @@ complete, so a failure never leaves a half-written adapter or model, and an earl
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from lit_instruct.io import atomic_directory
+
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-@contextmanager
-def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield an empty staging folder; on success it replaces ``target``, on failure it is removed."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        yield staging
-        staging.chmod(0o755)
-        if target.exists():
-            retired = target.with_name(f".{target.name}-old")
-            shutil.rmtree(retired, ignore_errors=True)
-            target.rename(retired)
-            staging.rename(target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -84,7 +60,8 @@ def merged_model(adapter: str | Path, base: str | None = None) -> tuple[Any, Any
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from lit_instruct.model import load_base_model, resolve_model_path
+    from lit_instruct.model import load_base_model
+    from lit_instruct.models import resolve_model_path
 
     adapter, base = Path(adapter), adapter_base(adapter, base)
     check_finite(load_file(adapter / ADAPTER_WEIGHTS), str(adapter / ADAPTER_WEIGHTS))

@@ -6,7 +6,6 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -14,28 +13,12 @@ from torch import nn
 
 from lit_instruct.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
 from lit_instruct.lora_targets import check_coverage, lora_targets
-from lit_instruct.models import BUNDLED_MODELS
+from lit_instruct.models import resolve_model_path
 
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["none", "nf4", "fp4"]
 
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
-
-
-def resolve_model_path(name: str) -> str:
-    """Return a local folder or hub id for ``name``.
-
-    A bundled name (``smollm2-135m-instruct``) is prepared into the cache on first use; an existing
-    local path is used as is; anything else is passed to ``transformers`` as a hub id.
-    """
-    if name in BUNDLED_MODELS:
-        return str(BUNDLED_MODELS[name]())
-    path = Path(name).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {path} has no config.json: not a transformers model")
-        return str(path)
-    return name
 
 
 @dataclass

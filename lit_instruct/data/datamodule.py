@@ -204,7 +204,7 @@ class InstructDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Prepare a bundled model's tokenizer, and the tokenized data into the cache (rank 0 only:
         the other ranks then load it in :meth:`setup`)."""
-        from lit_instruct.model import resolve_model_path
+        from lit_instruct.models import resolve_model_path
 
         resolve_model_path(self.tokenizer_name)
         if self.cache:
@@ -215,7 +215,7 @@ class InstructDataModule(L.LightningDataModule):
         if self.tokenizer is None:
             from transformers import AutoTokenizer
 
-            from lit_instruct.model import resolve_model_path
+            from lit_instruct.models import resolve_model_path
 
             self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.tokenizer_name))
         return self.tokenizer
@@ -285,7 +285,7 @@ class InstructDataModule(L.LightningDataModule):
         """Embedding rows of the model whose folder holds the tokenizer (``None`` without a config)."""
         from transformers import AutoConfig
 
-        from lit_instruct.model import resolve_model_path
+        from lit_instruct.models import resolve_model_path
 
         try:
             config = AutoConfig.from_pretrained(resolve_model_path(self.tokenizer_name))

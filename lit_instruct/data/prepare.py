@@ -226,7 +226,7 @@ def prepare(
 
 
 def _save(prepared: PreparedData, folder: Path) -> None:
-    from lit_instruct.export import atomic_directory
+    from lit_instruct.io import atomic_directory
 
     with atomic_directory(folder) as staging:
         prepared.train.save(staging / "train")

