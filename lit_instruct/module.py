@@ -74,12 +74,6 @@ def resolve_loss(loss: LossChoice | Callable | None) -> LossFn:
     return loss  # a callable with the loss signature, as documented
 
 
-def _name_of(loss: Callable) -> str:
-    """A configured loss's name (hyperparameters hold names, not objects): a function's, or the
-    class of a callable object."""
-    return str(getattr(loss, "__qualname__", None) or type(loss).__qualname__)
-
-
 def adamw(
     params: list[nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float
 ) -> torch.optim.AdamW:
@@ -174,10 +168,8 @@ class InstructLoRAModule(L.LightningModule):
             quantization = QuantizationConfig(**quantization)
         self.quantization = quantization or QuantizationConfig()
         self.save_hyperparameters(ignore=["lora", "quantization", "loss", "optimizer"])
-        # init arguments that are objects are recorded by name, under keys no reload passes back
-        self.hparams["loss"] = loss if loss is None or isinstance(loss, str) else None
-        self.hparams["loss_class"] = None if loss is None or isinstance(loss, str) else _name_of(loss)
-        self.hparams["optimizer_class"] = None  # set once configure_optimizers has built it
+        # hparams rebuild the module (checkpoints): a loss given by name is kept, objects are not
+        self.hparams["loss"] = loss if isinstance(loss, str) else None
         self.optimizer_factory = optimizer
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
@@ -374,7 +366,6 @@ class InstructLoRAModule(L.LightningModule):
         hparams = self.hparams
         if self.optimizer_factory is not None:  # its own learning rate is the peak of the schedule
             optimizer = self.optimizer_factory(params)
-            hparams["optimizer_class"] = type(optimizer).__qualname__
         else:
             optimizer = adamw(params, hparams["learning_rate"], hparams["betas"], hparams["weight_decay"])
         total = max(1, int(self.trainer.estimated_stepping_batches))
