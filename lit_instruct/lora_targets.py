@@ -4,10 +4,11 @@
 transformers' ``Conv1D``; fused ``qkv_proj`` / ``gate_up_proj`` included) and every 3-D expert weight
 of MoE layers, but the output head. Documented exclusions, named on the coverage line: linear
 subclasses whose forward is not a plain linear layer (MoE routers that return routing tuples: a LoRA
-layer around them fails), and the ``out_proj`` of Mamba mixers, which peft refuses for those model
-types (their fused kernels read the weight). After peft has attached the adapters, what it adapted is
-compared with what was asked: a shortfall is an error that names the modules, never a silently
-partial adapter.
+layer around them fails), the ``out_proj`` of Mamba mixers (their fused kernels read the weight),
+layers whose weight the model reads without calling them (found by a probe forward), and on a
+multimodal model everything outside its language model. After peft has attached the adapters,
+what it adapted is compared with what was asked: a shortfall is an error that names the modules,
+never a silently partial adapter.
 
 peft rewrites targets named like the experts of transformers 4 (``gate_proj``, ``up_proj``,
 ``down_proj``, ``gate``, ``w1``-``w3``) into the fused expert weights of transformers 5 for some MoE

@@ -174,6 +174,13 @@ def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
     from peft import LoraConfig, get_peft_model
 
     targets = lora_targets(model, lora.target_modules, probe)
+    by_weight = targets.parameters + targets.by_weight
+    if by_weight and lora.dropout:
+        raise ValueError(
+            f"model.lora.dropout is {lora.dropout}, but {by_weight[0]} (and {len(by_weight) - 1} more) is "
+            "adapted through its weight (expert weights, or layers peft would rename into them), where peft "
+            "has no dropout: set model.lora.dropout: 0, or name other target_modules"
+        )
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, takes any number

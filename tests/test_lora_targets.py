@@ -137,3 +137,8 @@ def test_layers_the_model_never_calls_are_left_out_by_the_build_probe() -> None:
         assert not any("dt_proj" in name for name in model.base_model.targeted_module_names)
         grads = lora_gradients_after_a_step(model)  # every adapter placed trains
         assert grads and all(g is not None and g.abs().max() > 0 for g in grads.values())
+
+
+def test_dropout_where_peft_adapts_through_the_weight_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"model\.lora\.dropout is 0\.1, but model\.layers\.1\.mlp\.experts"):
+        attach_lora(tiny("deepseek_v3"), LoRAConfig(r=4, dropout=0.1))
