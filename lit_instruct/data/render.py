@@ -199,9 +199,7 @@ class ChatRenderer:
         for k, call in enumerate(json.loads(message.tool_calls) if message.tool_calls else []):
             function = call["function"]
             wanted += [(f"tool_calls[{k}]", function["name"], "tool calls")]
-            wanted += [
-                (f"tool_calls[{k}].arguments", f'"{key}"', "tool calls") for key in function["arguments"]
-            ]
+            wanted += [(f"tool_calls[{k}].arguments", key, "tool calls") for key in function["arguments"]]
         for field, value, kind in wanted:
             found = text.rfind(value)
             if value and (found < 0 or found + len(value) <= after):
