@@ -9,6 +9,8 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 
+from lit_instruct.io import log_dir
+
 
 def figure(**kwargs: Any) -> Any:
     """A ``matplotlib.figure.Figure`` that draws straight to files: no pyplot, no global backend
@@ -23,15 +25,6 @@ def log_image(trainer: L.Trainer, key: str, path: Path) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             logger.log_image(key, [str(path)])
-
-
-def log_dir(trainer: L.Trainer) -> Path:
-    """The Trainer's log directory, else its root directory.
-
-    Under DDP ``trainer.log_dir`` is broadcast from rank 0, a collective: call this on every rank,
-    before any ``is_global_zero`` branch, or the run hangs.
-    """
-    return Path(trainer.log_dir or trainer.default_root_dir)
 
 
 def checkpoint_dir(trainer: L.Trainer) -> Path:

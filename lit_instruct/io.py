@@ -1,4 +1,5 @@
-"""Writes that never leave a half-written result: a folder or a file appears whole, or not at all."""
+"""Where a run writes, and writes that never leave a half-written result: a folder or a file appears
+whole, or not at all."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 @contextmanager
@@ -43,3 +45,12 @@ def write_atomically(path: str | Path, text: str) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def log_dir(trainer: Any) -> Path:
+    """A Lightning Trainer's log directory, else its root directory.
+
+    Under DDP ``trainer.log_dir`` is broadcast from rank 0, a collective: call this on every rank,
+    before any ``is_global_zero`` branch, or the run hangs.
+    """
+    return Path(trainer.log_dir or trainer.default_root_dir)

@@ -30,6 +30,7 @@ from lit_instruct.fsdp import (
     shard_model,
 )
 from lit_instruct.fused_lora import fuse_lora as fuse_lora_layers
+from lit_instruct.io import log_dir
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.model import (
@@ -404,8 +405,7 @@ class InstructLoRAModule(L.LightningModule):
         """Where the adapter is written: ``adapter_dir``, else ``<log dir>/adapter``."""
         if self.hparams["adapter_dir"]:
             return Path(self.hparams["adapter_dir"])
-        trainer = self.trainer
-        return Path(trainer.log_dir or trainer.default_root_dir) / "adapter"
+        return log_dir(self.trainer) / "adapter"
 
     def on_fit_end(self) -> None:
         """Write the PEFT adapter (rank 0, atomically)."""

@@ -390,3 +390,10 @@ def test_validation_sources_take_the_sources_syntax_and_overlap_with_training_is
     ):
         data.setup("fit")
     assert data.counts["val"]["also_in_training"] == 6
+
+
+def test_samples_read_before_setup_say_so(tiny_model_dir, tmp_path) -> None:
+    data = InstructDataModule(tokenizer=str(tiny_model_dir), train_files=[str(tmp_path / "x.jsonl")])
+    for read in (lambda: data.train_samples, lambda: data.val_samples, lambda: data.counts):
+        with pytest.raises(RuntimeError, match=r"call setup\(\) before reading its samples or counts"):
+            read()

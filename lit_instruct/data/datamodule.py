@@ -22,6 +22,7 @@ from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.stream import START, Position, SampleStream, StreamCollator
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
+from lit_instruct.io import log_dir
 from lit_instruct.rng import gather_objects
 
 
@@ -243,19 +244,22 @@ class InstructDataModule(L.LightningDataModule):
 
     @property
     def train_samples(self) -> SampleStore:
-        assert self.prepared is not None, "call setup() first"
-        return self.prepared.train
+        return self._prepared().train
 
     @property
     def val_samples(self) -> SampleStore:
-        assert self.prepared is not None, "call setup() first"
-        return self.prepared.val
+        return self._prepared().val
 
     @property
     def counts(self) -> dict[str, Counter[str]]:
         """Per split, what was read, kept, truncated, dropped or skipped (summed over sources)."""
-        assert self.prepared is not None, "call setup() first"
-        return {split: self.prepared.totals(split) for split in ("train", "val")}
+        prepared = self._prepared()
+        return {split: prepared.totals(split) for split in ("train", "val")}
+
+    def _prepared(self) -> PreparedData:
+        if self.prepared is None:
+            raise RuntimeError("InstructDataModule: call setup() before reading its samples or counts")
+        return self.prepared
 
     def setup(self, stage: str | None = None) -> None:
         """Read, split and tokenize the data once (a cache hit memory-maps it), report the counts."""
@@ -298,7 +302,7 @@ class InstructDataModule(L.LightningDataModule):
         if self.rejects_file:
             return Path(self.rejects_file)
         trainer = self.trainer
-        return Path((trainer.log_dir or trainer.default_root_dir) if trainer else ".") / "rejects.jsonl"
+        return (log_dir(trainer) if trainer else Path(".")) / "rejects.jsonl"
 
     def _collator(self, source: str | None = None) -> PadCollator | PackCollator:
         if self.packing:
