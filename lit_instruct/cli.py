@@ -88,12 +88,16 @@ class InstructCLI(LightningCLI):
         their own setup), then the model, the datamodule (handed the checked samples) and the Trainer."""
         checked = None
         if self.subcommand == "fit" and launched_rank() == 0:
-            checked = InstructDataModule(**self._get(self.config, "data").as_dict())
+            checked = self.data_module()
             if not checked.streaming:
                 checked.prepared = checked.prepare_samples()
         super().instantiate_classes()
         if checked is not None and checked.hparams == self.datamodule.hparams:
-            self.datamodule.prepared = checked.prepared
+            self.datamodule.tokenizer, self.datamodule.prepared = checked.tokenizer, checked.prepared
+
+    def data_module(self) -> InstructDataModule:
+        """The datamodule the parsed config describes, built alone (no model)."""
+        return InstructDataModule(**self._get(self.config, "data").as_dict())
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """The configured Trainer, saving checkpoints atomically and loading them ``weights_only``
@@ -148,7 +152,7 @@ class DataOnlyCLI(InstructCLI):
     building only the datamodule: no model weights are read."""
 
     def instantiate_classes(self) -> None:
-        self.datamodule = InstructDataModule(**self._get(self.config, "data").as_dict())
+        self.datamodule = self.data_module()
 
 
 def inspect_main(argv: list[str]) -> None:

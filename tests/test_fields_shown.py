@@ -13,18 +13,11 @@ from lit_instruct.data.records import DataError
 from lit_instruct.data.render import ChatRenderer
 from lit_instruct.data.sources import read_source
 from tests.test_render import check
+from tests.test_templates import WEATHER_TOOL
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-    },
-}
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 TOOL_CHAT = {
-    "tools": [WEATHER],
+    "tools": [WEATHER_TOOL],
     "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
@@ -76,7 +69,7 @@ def test_a_tool_call_the_template_cannot_show_is_refused(tokenizer, tmp_path) ->
         (
             "tools[0]",
             {
-                "tools": [WEATHER],
+                "tools": [WEATHER_TOOL],
                 "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
             },
         ),
@@ -105,7 +98,7 @@ def test_chatml_tools_shows_every_field_and_labels_the_answers_exactly(tokenizer
     system = (
         "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the "
         "user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-        + json.dumps(WEATHER)
+        + json.dumps(WEATHER_TOOL)
         + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
         'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
         "<args-json-object>}\n</tool_call><|im_end|>\n"

@@ -208,7 +208,7 @@ class InstructDataModule(L.LightningDataModule):
         from lit_instruct.models import resolve_model_path
 
         resolve_model_path(self.tokenizer_name)
-        if self.cache:
+        if self.cache and self.prepared is None:  # not handed over already (``fit`` checks data first)
             self.prepared = self.prepare_samples()  # this rank's setup reports what it did
 
     def load_tokenizer(self) -> Any:

@@ -60,13 +60,16 @@ def source_reports(
     """A report per source of ``store`` (the first ``shown`` samples of each)."""
     reports = []
     lengths = store.lengths
+    token_sources = np.repeat(np.asarray(store.source_ids), lengths)  # from the flat arrays, not samples
+    trained = np.bincount(
+        token_sources[np.asarray(store.arrays["labels"]) != IGNORE_INDEX], minlength=len(store.names)
+    )
     for index, name in enumerate(store.names):
         positions = store.indices_of(index)
-        samples = [store[i] for i in positions]
-        trained = sum(sum(label != IGNORE_INDEX for label in s.labels) for s in samples)
+        samples = [store[i] for i in positions[:shown]]
         reports.append(
             SourceReport(
-                split, name, counts.get(name, Counter()), lengths[positions], trained, samples[:shown]
+                split, name, counts.get(name, Counter()), lengths[positions], int(trained[index]), samples
             )
         )
     return reports
