@@ -40,7 +40,7 @@ def build_model(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from lit_instruct.model import resolve_model_path
+    from lit_instruct.models.load import resolve_model_path
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
@@ -73,9 +73,9 @@ def worker(args: dict) -> None:
     import lightning as L
 
     from lit_instruct.data.datamodule import InstructDataModule
-    from lit_instruct.fsdp import local_tensor
-    from lit_instruct.model import LoRAConfig
-    from lit_instruct.module import InstructLoRAModule
+    from lit_instruct.distributed import local_tensor
+    from lit_instruct.models.lora import LoRAConfig
+    from lit_instruct.train.module import InstructLoRAModule
 
     class Losses(L.Callback):
         def __init__(self) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_instruct.gguf_export import write_gguf
-from lit_instruct.model import resolve_model_path
+from lit_instruct.export.gguf import write_gguf
+from lit_instruct.models.load import resolve_model_path
 
 TEXT = "Hello! How are you today? I would like to hear a short story about a river and a mountain."
 

@@ -1,7 +1,7 @@
 """Which ``*ForCausalLM`` classes of the installed transformers lit-instruct can train exactly.
 
 For each class, the statements of its ``forward`` between the lm_head call and the loss are read
-(:func:`lit_instruct.output_head.post_head_statements`); a class is recognized when every one is
+(:func:`lit_instruct.models.output_head.post_head_statements`); a class is recognized when every one is
 known, and refused otherwise. ``python benchmarks/head_audit.py [--refused]``.
 """
 
@@ -17,7 +17,7 @@ import warnings
 import transformers
 import transformers.models
 
-from lit_instruct.output_head import KNOWN_STATEMENTS, UnsupportedModelError, post_head_statements
+from lit_instruct.models.output_head import KNOWN_STATEMENTS, UnsupportedModelError, post_head_statements
 
 
 def causal_lm_classes() -> dict[str, type]:

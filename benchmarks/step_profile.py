@@ -78,8 +78,8 @@ def main() -> None:
 
     from lit_instruct import InstructLoRAModule, LoRAConfig
     from lit_instruct.loss.fused import FusedLinearCrossEntropy
-    from lit_instruct.module import adamw
-    from lit_instruct.window import scale_gradients
+    from lit_instruct.train.module import adamw
+    from lit_instruct.train.window import scale_gradients
 
     torch.manual_seed(SEED)
     batches = packed_batches(args.warmup + args.steps, args.batch or BATCH)

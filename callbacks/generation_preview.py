@@ -51,7 +51,7 @@ class GenerationPreview(L.Callback):
         folder = log_dir(trainer)  # on every rank: a collective under DDP
         if not trainer.is_global_zero:
             return
-        from lit_instruct.generate import generate
+        from lit_instruct.infer.generate import generate
 
         datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
         tokenizer = datamodule.load_tokenizer()

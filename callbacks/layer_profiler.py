@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lit_instruct.callbacks.shared import figure, log_dir, log_image
-from lit_instruct.decoder import decoder_of
+from lit_instruct.models.decoder import decoder_of
 
 PHASES = ("forward", "loss", "lm_head_backward", "layer_backward", "optimizer", "step")
 """Step phases: decoder trunk forward; loss (with a fused loss, its in-forward lm_head backward too);

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lit_instruct.callbacks.shared import checkpoint_dir
-from lit_instruct.fsdp import local_tensor
+from lit_instruct.distributed import local_tensor
 
 
 class NonFiniteTrainingError(RuntimeError):

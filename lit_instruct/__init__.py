@@ -14,20 +14,20 @@ __version__ = "0.1.0"
 
 # peft imports bitsandbytes whenever it is installed, and on an AVX512-BF16 CPU bitsandbytes then says
 # it could not fetch a hub kernel for its repacked 4-bit CPU inference layout: a layout lit-instruct
-# switches off (lit_instruct.four_bit), so the notice is noise on every run, QLoRA or not.
+# switches off (lit_instruct.models.four_bit), so the notice is noise on every run, QLoRA or not.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: "kernels-community" not in record.getMessage()
 )
 
 _EXPORTS = {
     "DataSource": "lit_instruct.data.sources",
-    "FusedCEDDPStrategy": "lit_instruct.strategy",
-    "FusedCEFSDPStrategy": "lit_instruct.strategy",
-    "FusedCESingleDeviceStrategy": "lit_instruct.strategy",
+    "FusedCEDDPStrategy": "lit_instruct.train.strategy",
+    "FusedCEFSDPStrategy": "lit_instruct.train.strategy",
+    "FusedCESingleDeviceStrategy": "lit_instruct.train.strategy",
     "FusedLinearCrossEntropy": "lit_instruct.loss.fused",
     "InstructDataModule": "lit_instruct.data.datamodule",
-    "InstructLoRAModule": "lit_instruct.module",
-    "LoRAConfig": "lit_instruct.model",
+    "InstructLoRAModule": "lit_instruct.train.module",
+    "LoRAConfig": "lit_instruct.models.load",
     "fused_linear_cross_entropy": "lit_instruct.loss.fused",
 }
 
@@ -48,9 +48,13 @@ if TYPE_CHECKING:
     from lit_instruct.data.datamodule import InstructDataModule
     from lit_instruct.data.sources import DataSource
     from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
-    from lit_instruct.model import LoRAConfig
-    from lit_instruct.module import InstructLoRAModule
-    from lit_instruct.strategy import FusedCEDDPStrategy, FusedCEFSDPStrategy, FusedCESingleDeviceStrategy
+    from lit_instruct.models.lora import LoRAConfig
+    from lit_instruct.train.module import InstructLoRAModule
+    from lit_instruct.train.strategy import (
+        FusedCEDDPStrategy,
+        FusedCEFSDPStrategy,
+        FusedCESingleDeviceStrategy,
+    )
 
 
 def __getattr__(name: str) -> Any:

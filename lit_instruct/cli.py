@@ -15,12 +15,12 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
-from lit_instruct.checkpoint_io import SafeCheckpointIO
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError
-from lit_instruct.fsdp import launched_rank
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.distributed import launched_rank
 from lit_instruct.secrets import redact
+from lit_instruct.train.checkpoint_io import SafeCheckpointIO
+from lit_instruct.train.module import InstructLoRAModule
 
 
 def _val_metrics(results: list[Mapping[str, float]]) -> dict[str, float]:
@@ -206,7 +206,7 @@ def prepare_main(argv: list[str]) -> None:
 def export_main(argv: list[str]) -> None:
     """``lit-instruct export``: a clean PEFT adapter folder, a standalone model (``--merge``), or one
     GGUF file for llama.cpp / Ollama / LM Studio (``--gguf``, with ``--ollama`` a Modelfile beside it)."""
-    from lit_instruct.export import export_adapter, merge_adapter
+    from lit_instruct.export.adapter import export_adapter, merge_adapter
 
     parser = argparse.ArgumentParser(prog="lit-instruct export", description=export_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")
@@ -219,7 +219,7 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--base", help="base model (default: the adapter's base_model_name_or_path)")
     args = parser.parse_args(argv)
     if args.gguf:
-        from lit_instruct.gguf_export import export_gguf
+        from lit_instruct.export.gguf import export_gguf
 
         out = export_gguf(args.adapter, args.out, args.quant, args.base, args.tokenizer_pre, args.ollama)
         sys.stdout.write(f"GGUF ({args.quant}) written to {out}\n")
@@ -241,7 +241,7 @@ def generate_main(argv: list[str]) -> None:
     """``lit-instruct generate``: answer a prompt with the training chat template, streaming tokens."""
     from transformers import TextStreamer
 
-    from lit_instruct.generate import generate, load_for_generation
+    from lit_instruct.infer.generate import generate, load_for_generation
 
     parser = argparse.ArgumentParser(prog="lit-instruct generate", description=generate_main.__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, folder or hub id")
@@ -270,7 +270,7 @@ def generate_main(argv: list[str]) -> None:
 
 def eval_main(argv: list[str]) -> None:
     """``lit-instruct eval``: token-weighted loss and perplexity of an adapter on held-out files."""
-    from lit_instruct.evaluate import evaluate, load_adapter_module, write_answers
+    from lit_instruct.infer.evaluate import evaluate, load_adapter_module, write_answers
 
     parser = argparse.ArgumentParser(prog="lit-instruct eval", description=eval_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")
@@ -300,8 +300,8 @@ def chat_main(argv: list[str]) -> None:
     """``lit-instruct chat``: a multi-turn chat in the terminal, answers streamed."""
     from transformers import TextStreamer
 
-    from lit_instruct.chat import ChatSession, run_chat
-    from lit_instruct.generate import load_for_generation
+    from lit_instruct.infer.chat import ChatSession, run_chat
+    from lit_instruct.infer.generate import load_for_generation
 
     parser = argparse.ArgumentParser(prog="lit-instruct chat", description=chat_main.__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, folder or hub id")

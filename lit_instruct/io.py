@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 
 @contextmanager
 def atomic_directory(target: str | Path) -> Iterator[Path]:
@@ -54,3 +56,25 @@ def log_dir(trainer: Any) -> Path:
     before any ``is_global_zero`` branch, or the run hangs.
     """
     return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Raise if any tensor holds NaN or Inf, naming the first such tensor."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf; refusing to write it")
+
+
+def save_adapter(peft_model: Any, target: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
+    """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
+    ``state_dict`` when given (whole tensors gathered from a sharded model)."""
+    from peft import get_peft_model_state_dict
+
+    check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
+    with atomic_directory(target) as staging:
+        peft_model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+    return Path(target)

@@ -27,8 +27,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_instruct.callbacks import GenerationPreview, SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
-from lit_instruct.fsdp import local_tensor
-from lit_instruct.model import LoRAConfig
+from lit_instruct.distributed import local_tensor
+from lit_instruct.models.lora import LoRAConfig
 from tests.helpers import FaultyModule, Recorder, StopAfter
 
 

@@ -327,7 +327,7 @@ MOE = {
 }
 BY_WEIGHT = {"deepseek_v3", "glm4_moe", "qwen3_next"}
 """Dense MLPs or shared experts named like the experts peft rewrites: adapted through their weight."""
-LEFT_OUT = {  # by the build-time rules of lit_instruct.lora_targets
+LEFT_OUT = {  # by the build-time rules of lit_instruct.models.lora_targets
     "falcon_h1": ("mamba.out_proj",),  # the fused Mamba kernels read the weight
     "granitemoehybrid": ("mamba.out_proj",),
     "gemma3n": ("altup.correction_coefs",),  # read by its parent in training

@@ -12,8 +12,8 @@ import lightning as L
 import torch
 
 from lit_instruct.data.datamodule import InstructDataModule
-from lit_instruct.model import LoRAConfig
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.train.module import InstructLoRAModule
 
 
 def make(

@@ -2,7 +2,7 @@
 
 ``python -m tests.support_matrix`` rewrites the table between the markers in README.md;
 ``tests/test_families.py`` fails when the README's table is not the one this writes. The "logits"
-and "LoRA" columns are what :mod:`lit_instruct.output_head` and :mod:`lit_instruct.lora_targets`
+and "LoRA" columns are what :mod:`lit_instruct.models.output_head` and :mod:`lit_instruct.models.lora_targets`
 find on each model at build, so the table cannot claim what the code does not do.
 """
 
@@ -13,8 +13,8 @@ import warnings
 from pathlib import Path
 
 from lit_instruct.loss.logits import LogitTransform
-from lit_instruct.model import LoRAConfig, attach_lora
-from lit_instruct.output_head import logit_transform
+from lit_instruct.models.lora import LoRAConfig, attach_lora
+from lit_instruct.models.output_head import logit_transform
 from tests.families import FAMILIES, LABELS, NO_PACKING, SHARP, tiny_model
 
 README = Path(__file__).resolve().parent.parent / "README.md"

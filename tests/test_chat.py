@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from lit_instruct.chat import ChatSession, run_chat
-from lit_instruct.generate import generate, load_for_generation
+from lit_instruct.infer.chat import ChatSession, run_chat
+from lit_instruct.infer.generate import generate, load_for_generation
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import yaml
 
 from lit_instruct.cli import InstructCLI, main
 from lit_instruct.models import prepare_smollm2
-from lit_instruct.packing import PACKED_ATTENTION, attention_implementation
+from lit_instruct.models.packing import PACKED_ATTENTION, attention_implementation
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

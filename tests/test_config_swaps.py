@@ -10,7 +10,7 @@ import torch
 from lit_instruct.cli import InstructCLI
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import reference_linear_cross_entropy
-from lit_instruct.module import resolve_loss
+from lit_instruct.train.module import resolve_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ def test_eval_numbers_equal_validation_for_the_same_data(tiny_model_dir, chat_fi
     adapter = tmp_path / "adapter"
     (expected,) = trainer(tmp_path).validate(module, datamodule=data, verbose=False)  # val_files = chat_file
 
-    from lit_instruct.evaluate import evaluate, load_adapter_module, write_answers
+    from lit_instruct.infer.evaluate import evaluate, load_adapter_module, write_answers
 
     loaded = load_adapter_module(adapter, str(tiny_model_dir))
     results = evaluate(loaded, [str(chat_file)], with_base=True)

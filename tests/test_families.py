@@ -19,14 +19,15 @@ from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.logits import IDENTITY
 from lit_instruct.loss.reference import reference_linear_cross_entropy
-from lit_instruct.model import LoRAConfig, load_base_model
-from lit_instruct.module import InstructLoRAModule
-from lit_instruct.output_head import (
+from lit_instruct.models.load import load_base_model
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.models.output_head import (
     OutputHead,
     UnsupportedModelError,
     check_against_model_logits,
     logit_transform,
 )
+from lit_instruct.train.module import InstructLoRAModule
 from tests.families import BY_WEIGHT, FAMILIES, LEFT_OUT, MOE, NO_PACKING, SHARP, WINDOW, build_family
 
 VOCAB = 49152

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lit_instruct.fsdp import full_tensor, is_sharded
+from lit_instruct.distributed import full_tensor, is_sharded
 from lit_instruct.loss.fused import fused_linear_cross_entropy
 from lit_instruct.loss.reference import reference_linear_cross_entropy
 from tests.ddp_fit import run_ddp_fit

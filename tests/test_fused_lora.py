@@ -11,9 +11,9 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lit_instruct.data.collate import PackCollator, PadCollator
-from lit_instruct.fused_lora import fuse_lora
-from lit_instruct.model import LoRAConfig, attach_lora
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.models.fused_lora import fuse_lora
+from lit_instruct.models.lora import LoRAConfig, attach_lora
+from lit_instruct.train.module import InstructLoRAModule
 from tests.families import build_family
 from tests.helpers import Recorder, make, trainer
 from tests.test_families import VOCAB, assert_relatively_close, lora_grads, our_loss, samples

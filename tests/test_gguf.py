@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_instruct.gguf_export import write_gguf
-from lit_instruct.ollama import write_modelfile
+from lit_instruct.export.gguf import write_gguf
+from lit_instruct.export.ollama import write_modelfile
 from tests.families import build_family
 
 TEXT = "Hello! How are you today? I would like to hear a short story about a river and a mountain."
@@ -138,8 +138,9 @@ def test_a_template_ollama_cannot_reproduce_is_refused(tokenizer, tmp_path) -> N
 @pytest.mark.e2e
 def test_the_bundled_model_exports_to_gguf_and_ollama(smollm2_path, tmp_path) -> None:
     """SmolLM2 with an adapter (fresh: merged = base) through the CLI, f16 and q8_0, loaded back."""
-    from lit_instruct.export import save_adapter
-    from lit_instruct.model import LoRAConfig, attach_lora, load_base_model
+    from lit_instruct.io import save_adapter
+    from lit_instruct.models.load import load_base_model
+    from lit_instruct.models.lora import LoRAConfig, attach_lora
 
     adapter = save_adapter(
         attach_lora(load_base_model(str(smollm2_path)), LoRAConfig(r=4)), tmp_path / "adapter"

@@ -9,8 +9,8 @@ import pytest
 import torch
 from peft import PeftModel
 
-from lit_instruct.lora_targets import LoRACoverageError, _peft_names
-from lit_instruct.model import LoRAConfig, attach_lora
+from lit_instruct.models.lora import LoRAConfig, attach_lora
+from lit_instruct.models.lora_targets import LoRACoverageError, _peft_names
 from tests.families import tiny_model
 
 VOCAB = 128

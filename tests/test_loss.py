@@ -11,8 +11,8 @@ from lit_instruct.data.records import Message, Record
 from lit_instruct.data.render import ChatRenderer
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.reference import reference_linear_cross_entropy
-from lit_instruct.model import LoRAConfig
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.train.module import InstructLoRAModule
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -10,8 +10,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lit_instruct.data.datamodule import InstructDataModule
-from lit_instruct.fused_lora import fuse_lora
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.models.fused_lora import fuse_lora
+from lit_instruct.train.module import InstructLoRAModule
 from tests.helpers import make, trainer
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.train.module import InstructLoRAModule
 from tests.ddp_fit import run_ddp_fit
 from tests.helpers import GradCapture, Recorder, make, trainer
 

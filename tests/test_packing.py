@@ -8,7 +8,7 @@ import torch
 from lit_instruct.data.collate import PackCollator
 from lit_instruct.data.render import Sample
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.packing import PACKED_ATTENTION, attention_implementation
+from lit_instruct.models.packing import PACKED_ATTENTION, attention_implementation
 from tests.helpers import GradCapture, Recorder, make, trainer
 
 
@@ -130,7 +130,7 @@ def test_the_build_check_runs_samples_longer_than_every_window_the_config_names(
 
     import transformers
 
-    from lit_instruct.packing import check_lengths
+    from lit_instruct.models.packing import check_lengths
 
     def lengths(config_class: str, **kwargs) -> tuple[int, int]:
         return check_lengths(SimpleNamespace(config=getattr(transformers, config_class)(**kwargs)))

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from lit_instruct.export import export_adapter, merge_adapter
-from lit_instruct.generate import generate, load_for_generation
-from lit_instruct.model import QuantizationConfig, load_base_model, parameter_bytes
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.export.adapter import export_adapter, merge_adapter
+from lit_instruct.infer.generate import generate, load_for_generation
+from lit_instruct.models.load import QuantizationConfig, load_base_model, parameter_bytes
+from lit_instruct.train.module import InstructLoRAModule
 from tests.helpers import make, trainer
 
 needs_bitsandbytes = pytest.mark.skipif(
@@ -74,7 +74,7 @@ def test_4bit_layers_keep_their_trainable_layout_after_eval_forwards(tiny_model_
 
 @needs_bitsandbytes
 def test_a_4bit_layout_we_cannot_train_is_refused_by_name(tiny_model_dir) -> None:
-    from lit_instruct.four_bit import bitsandbytes_version, check_training_layout
+    from lit_instruct.models.four_bit import bitsandbytes_version, check_training_layout
 
     model = load_base_model(str(tiny_model_dir), quantization=NF4_FP32)
     check_training_layout(model, torch.float32)
@@ -91,7 +91,7 @@ def test_a_4bit_layout_we_cannot_train_is_refused_by_name(tiny_model_dir) -> Non
 
 
 def test_a_bitsandbytes_too_old_for_the_compute_dtype_storage_is_refused_at_load(monkeypatch) -> None:
-    import lit_instruct.four_bit as four_bit
+    import lit_instruct.models.four_bit as four_bit
 
     monkeypatch.setattr(four_bit, "version", lambda name: "0.46.1")  # what the environment would report
     with pytest.raises(
@@ -307,7 +307,7 @@ def test_generation_preview_answers_fixed_prompts_after_each_validation(tiny_mod
 def test_each_rank_quantizes_onto_its_own_device() -> None:
     """The placement rule of 4-bit bases: the rank's GPU (LOCAL_RANK, set by Lightning's launcher and
     torchrun), the CPU where there is no GPU; never every rank on cuda:0."""
-    from lit_instruct.model import quantization_device
+    from lit_instruct.models.load import quantization_device
 
     assert quantization_device({}, cuda_devices=0) == "cpu"
     assert quantization_device({"LOCAL_RANK": "1"}, cuda_devices=0) == "cpu"

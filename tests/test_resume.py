@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_instruct.callbacks import SkipNonFiniteSteps
-from lit_instruct.model import LoRAConfig
+from lit_instruct.models.lora import LoRAConfig
 from tests.helpers import Recorder, StopAfter, make, trainer
 
 LORA = LoRAConfig(r=64, alpha=16, dropout=0.2, target_modules="all-linear")  # dropout: RNG matters

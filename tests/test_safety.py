@@ -14,9 +14,9 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from lit_instruct.checkpoint_io import SafeCheckpointIO
 from lit_instruct.cli import InstructCLI
-from lit_instruct.export import save_adapter
+from lit_instruct.io import save_adapter
+from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from tests.helpers import make, trainer
 
 

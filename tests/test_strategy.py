@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import reference_linear_cross_entropy
-from lit_instruct.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
+from lit_instruct.train.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
 from tests.helpers import make, trainer
 
 

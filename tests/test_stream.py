@@ -16,8 +16,8 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.prepare import DataSettings, TemplateRenderers
 from lit_instruct.data.sources import DataSource
 from lit_instruct.data.stream import SampleStream
-from lit_instruct.model import LoRAConfig
-from lit_instruct.module import InstructLoRAModule
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.train.module import InstructLoRAModule
 from tests.helpers import Recorder, StopAfter, trainer
 
 

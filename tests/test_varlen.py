@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_instruct import packing
-from lit_instruct.packing import packed_attention, varlen_applies
+from lit_instruct.models import packing
+from lit_instruct.models.packing import packed_attention, varlen_applies
 
 SEGMENTS = (0, 7, 10, 22, 23)
 

@@ -9,7 +9,7 @@ from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.render import Sample
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.window import TokenWindow, WindowTotals, gradient_factor, scale_gradients
+from lit_instruct.train.window import TokenWindow, WindowTotals, gradient_factor, scale_gradients
 
 
 def test_window_totals_micro_batches_and_starts_empty_again() -> None:

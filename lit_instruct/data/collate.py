@@ -64,7 +64,7 @@ class PackCollator:
 
     Position ids restart at 0 for each sample and the first label of each is ignored, so that no
     sample predicts the next one's first token; the model's attention runs per sample
-    (:mod:`lit_instruct.packing`).
+    (:mod:`lit_instruct.models.packing`).
     """
 
     def __init__(self, source: str | None = None) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from lit_instruct.fsdp import refuse_sharded
+from lit_instruct.distributed import refuse_sharded
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
 from lit_instruct.loss.reference import Reduction, check_labels

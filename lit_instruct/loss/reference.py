@@ -12,7 +12,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from lit_instruct.fsdp import refuse_sharded
+from lit_instruct.distributed import refuse_sharded
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
 

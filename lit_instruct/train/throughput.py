@@ -1,6 +1,6 @@
 """``train/tokens_per_s``: real tokens of each micro-batch over its wall time.
 
-Installed by :class:`~lit_instruct.module.InstructLoRAModule` itself (``configure_callbacks``).
+Installed by :class:`~lit_instruct.train.module.InstructLoRAModule` itself (``configure_callbacks``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every rank's random-number-generator states in checkpoints, put back when a run resumes.
 
-Installed by :class:`~lit_instruct.module.InstructLoRAModule` itself (``configure_callbacks``): LoRA
+Installed by :class:`~lit_instruct.train.module.InstructLoRAModule` itself (``configure_callbacks``): LoRA
 dropout draws from them, so a resumed run draws the same masks as an uninterrupted one.
 """
 

@@ -1,7 +1,7 @@
 """What a fit did, said in the terminal and the loggers: the model's size at the start, the totals at
 the end (steps, tokens, time, best ``val/loss`` and its checkpoint, the adapter and how to try it).
 
-Installed by :class:`~lit_instruct.module.InstructLoRAModule` itself (``configure_callbacks``).
+Installed by :class:`~lit_instruct.train.module.InstructLoRAModule` itself (``configure_callbacks``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_instruct.model import parameter_bytes
+from lit_instruct.models.load import parameter_bytes
 
 
 @dataclass
@@ -43,12 +43,9 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
         f"{totals.tokens:,} tokens ({totals.response_tokens:,} response tokens) "
         f"({totals.tokens / max(totals.seconds, 1e-9):.0f} tokens/s over the whole fit)"
     ]
-    from lit_instruct.callbacks.nonfinite import SkipNonFiniteSteps
-
-    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
-    skipped = sum(cb.skipped for cb in callbacks if isinstance(cb, SkipNonFiniteSteps))
-    if skipped:
-        lines.append(f"  skipped steps (non-finite): {skipped}")
+    skipped = trainer.callback_metrics.get("train/skipped_steps")  # logged by SkipNonFiniteSteps
+    if skipped is not None and int(skipped):
+        lines.append(f"  skipped steps (non-finite): {int(skipped)}")
     checkpoint = trainer.checkpoint_callback
     if (
         isinstance(checkpoint, ModelCheckpoint)
@@ -77,7 +74,7 @@ class FitReport(L.Callback):
     summary of :func:`fit_summary`.
 
     Reads the module's ``model`` (PEFT), ``tokens_seen``, ``response_tokens_seen`` and
-    ``saved_adapter``, as :class:`~lit_instruct.module.InstructLoRAModule` has them.
+    ``saved_adapter``, as :class:`~lit_instruct.train.module.InstructLoRAModule` has them.
     """
 
     def __init__(self) -> None:
@@ -101,7 +98,7 @@ class FitReport(L.Callback):
             "model/quantized_linear_bytes": float(base["quantized_linear"]),
         }
         coverage = getattr(getattr(pl_module, "model", None), "lora_coverage", None)
-        if coverage is not None:  # where the adapters are (lit_instruct.lora_targets)
+        if coverage is not None:  # where the adapters are (lit_instruct.models.lora_targets)
             rank_zero_info(f"lit-instruct: {coverage.line()}")
             metrics.update(coverage.hparams())
         for logger in trainer.loggers:

@@ -1,46 +1,24 @@
-"""Resolve a model name to weights, load the base model, and attach LoRA adapters with peft."""
+"""Load a base model from a bundled name, a local folder or a hub id: full precision, 4-bit (QLoRA),
+or its skeleton on the meta device."""
 
 from __future__ import annotations
 
 import os
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
-from lit_instruct.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
-from lit_instruct.lora_targets import check_coverage, lora_targets
 from lit_instruct.models import resolve_model_path
+from lit_instruct.models.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
 
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["none", "nf4", "fp4"]
 
 AttnImplementation = Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"]
-
-
-@dataclass
-class LoRAConfig:
-    """LoRA adapter settings (peft)."""
-
-    r: int = 16
-    """Rank of the low-rank update."""
-    alpha: float = 32.0
-    """Scaling numerator: the update is scaled by alpha / r (alpha / sqrt(r) with rslora)."""
-    dropout: float = 0.0
-    """Dropout on the adapter input."""
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Names of the linear layers that get adapters; ``["all-linear"]`` (the default) is every linear
-    layer of the decoder but the output head (fused ``qkv_proj`` / ``gate_up_proj`` and GPT-2's
-    ``Conv1D`` included; routers and Mamba ``out_proj`` left out, by name), plus the 3-D expert
-    weights of MoE layers."""
-    use_rslora: bool = False
-    """Rank-stabilized LoRA scaling (alpha / sqrt(r))."""
-    allow_partial: bool = False
-    """Train even when peft could not put an adapter on every module asked for (they are named in
-    the coverage line); otherwise that is an error at build."""
 
 
 @dataclass
@@ -84,7 +62,7 @@ def load_base_model(
     With 4-bit ``quantization`` the linear layers of the decoder become frozen bitsandbytes
     ``Linear4bit`` layers and every other weight (embeddings, norms) is kept in ``compute_dtype``.
     With ``meta`` only its skeleton is built (no weights read, no memory), for a rank that receives
-    its shards from rank 0 (:func:`lit_instruct.fsdp.fill_from_rank_zero`).
+    its shards from rank 0 (:func:`lit_instruct.train.fsdp.fill_from_rank_zero`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -161,38 +139,3 @@ def _quant_state_bytes(state: object) -> int:
     size = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     nested = getattr(state, "state2", None)
     return size + (_quant_state_bytes(nested) if nested is not None else 0)
-
-
-def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
-    """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen.
-
-    ``target_modules: [all-linear]`` adapts every linear layer but the output head and every 3-D
-    expert weight (peft's ``target_parameters``). What peft adapted is then checked against what was
-    asked (:mod:`lit_instruct.lora_targets`): a shortfall raises unless ``lora.allow_partial``; the
-    result is the returned model's ``lora_coverage``. ``probe``: see :func:`lora_targets`.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    targets = lora_targets(model, lora.target_modules, probe)
-    by_weight = targets.parameters + targets.by_weight
-    if by_weight and lora.dropout:
-        raise ValueError(
-            f"model.lora.dropout is {lora.dropout}, but {by_weight[0]} (and {len(by_weight) - 1} more) is "
-            "adapted through its weight (expert weights, or layers peft would rename into them), where peft "
-            "has no dropout: set model.lora.dropout: 0, or name other target_modules"
-        )
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, takes any number
-        lora_dropout=lora.dropout,
-        target_modules=targets.peft_modules,
-        target_parameters=targets.peft_parameters or None,
-        use_rslora=lora.use_rslora,
-        task_type="CAUSAL_LM",
-        bias="none",
-    )
-    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        peft_model: Any = get_peft_model(model, config)
-    peft_model.lora_coverage = check_coverage(peft_model, targets, lora.allow_partial)
-    return peft_model

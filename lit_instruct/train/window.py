@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lit_instruct.fsdp import local_tensor
+from lit_instruct.distributed import local_tensor
 
 
 @dataclass(frozen=True)

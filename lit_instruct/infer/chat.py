@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 from lit_instruct.data.templates import resolve_chat_template
-from lit_instruct.generate import generate
+from lit_instruct.infer.generate import generate
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit"
 

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from lit_instruct.decoder import decoder_of
+from lit_instruct.models.decoder import decoder_of
 
 PACKED_ATTENTION = {"sdpa": "lit_packed_sdpa", "eager": "lit_packed_eager"}
 """The model's attention implementation -> its packing-aware wrapper (registered in transformers)."""
@@ -199,9 +199,13 @@ def _packed_mask(inner: Callable[..., Any]) -> Callable[..., Any]:
     return mask
 
 
-for _inner, _name in PACKED_ATTENTION.items():
-    AttentionInterface.register(_name, packed_attention(_inner))
-    AttentionMaskInterface.register(_name, _packed_mask(sdpa_mask if _inner == "sdpa" else eager_mask))
+def register_packed_attention() -> None:
+    """Register the packing-aware wrappers in ``transformers``' attention and mask registries under
+    the names of :data:`PACKED_ATTENTION` (again on each call: the same entries; :func:`enable_packing`
+    calls it)."""
+    for inner, name in PACKED_ATTENTION.items():
+        AttentionInterface.register(name, packed_attention(inner))
+        AttentionMaskInterface.register(name, _packed_mask(sdpa_mask if inner == "sdpa" else eager_mask))
 
 
 def attention_implementation(model: Any) -> str:
@@ -242,7 +246,7 @@ def enable_packing(model: Any, lengths: Sequence[int] | None = None, check: bool
         UnsupportedModelError: naming the model, when its attention implementation cannot run per
             sample or packing would change its output (the model is left as it was).
     """
-    from lit_instruct.output_head import UnsupportedModelError
+    from lit_instruct.models.output_head import UnsupportedModelError
 
     own = attention_implementation(model)
     if own in PACKED_ATTENTION.values():
@@ -252,6 +256,7 @@ def enable_packing(model: Any, lengths: Sequence[int] | None = None, check: bool
         raise UnsupportedModelError(
             f"data.packing needs model.attn_implementation sdpa or eager, not {own!r}"
         )
+    register_packed_attention()
     if not check:  # a weightless (meta) copy of a model checked elsewhere
         model.set_attn_implementation(PACKED_ATTENTION[own])
         return

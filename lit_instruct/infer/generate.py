@@ -14,8 +14,8 @@ def load_for_generation(model: str, adapter: str | None = None, dtype: str = "fl
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from lit_instruct.model import load_base_model
     from lit_instruct.models import resolve_model_path
+    from lit_instruct.models.load import load_base_model
 
     net = load_base_model(model, dtype)  # type: ignore[arg-type]
     if adapter:

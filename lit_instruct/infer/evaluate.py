@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_instruct.export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base
+from lit_instruct.export.adapter import adapter_base
+from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
 def load_adapter_module(adapter: str | Path, base: str | None = None) -> Any:
@@ -22,8 +23,8 @@ def load_adapter_module(adapter: str | Path, base: str | None = None) -> Any:
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from lit_instruct.model import LoRAConfig
-    from lit_instruct.module import InstructLoRAModule
+    from lit_instruct.models.lora import LoRAConfig
+    from lit_instruct.train.module import InstructLoRAModule
 
     adapter = Path(adapter)
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())  # the LoRA layout
@@ -98,7 +99,7 @@ def write_answers(
     from transformers import AutoTokenizer
 
     from lit_instruct.data.sources import read_source
-    from lit_instruct.generate import generate
+    from lit_instruct.infer.generate import generate
     from lit_instruct.models import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(module.hparams["model"]))

@@ -1,4 +1,4 @@
-"""Adapters out of training: atomic PEFT folders, finite-weight checks, and merged standalone models.
+"""Adapters out of training: clean PEFT folders and merged standalone models.
 
 Every write goes to a temporary folder beside the target that is renamed into place only when
 complete, so a failure never leaves a half-written adapter or model, and an earlier one survives.
@@ -10,31 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load_file, save_file
 
-from lit_instruct.io import atomic_directory
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Raise if any tensor holds NaN or Inf, naming the first such tensor."""
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf; refusing to write it")
-
-
-def save_adapter(peft_model: Any, target: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
-    """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
-    ``state_dict`` when given (whole tensors gathered from a sharded model)."""
-    from peft import get_peft_model_state_dict
-
-    check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
-    with atomic_directory(target) as staging:
-        peft_model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
-    return Path(target)
+from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_directory, check_finite
 
 
 def export_adapter(adapter: str | Path, out: str | Path) -> Path:
@@ -60,8 +38,8 @@ def merged_model(adapter: str | Path, base: str | None = None) -> tuple[Any, Any
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from lit_instruct.model import load_base_model
     from lit_instruct.models import resolve_model_path
+    from lit_instruct.models.load import load_base_model
 
     adapter, base = Path(adapter), adapter_base(adapter, base)
     check_finite(load_file(adapter / ADAPTER_WEIGHTS), str(adapter / ADAPTER_WEIGHTS))

@@ -14,37 +14,20 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
-import lit_instruct.strategy  # noqa: F401  (importing it registers fused_ce / fused_ce_ddp by name)
 from lit_instruct.batch import num_response_tokens, num_tokens
-from lit_instruct.callbacks.fit_report import FitReport
-from lit_instruct.callbacks.rng_states import RestoreRNGStates
-from lit_instruct.callbacks.throughput import TokensPerSecond
-from lit_instruct.decoder import decoder_of
-from lit_instruct.export import save_adapter
-from lit_instruct.four_bit import check_training_layout
-from lit_instruct.fsdp import (
-    fill_from_rank_zero,
-    full_tensor,
-    gathered_trainable_state,
-    launched_rank,
-    shard_model,
-)
-from lit_instruct.fused_lora import fuse_lora as fuse_lora_layers
-from lit_instruct.io import log_dir
+from lit_instruct.distributed import full_tensor, launched_rank
+from lit_instruct.io import log_dir, save_adapter
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
-from lit_instruct.model import (
-    AttnImplementation,
-    DType,
-    LoRAConfig,
-    QuantizationConfig,
-    attach_lora,
-    load_base_model,
-)
-from lit_instruct.moe import RouterAuxLoss
-from lit_instruct.output_head import output_head
-from lit_instruct.packing import enable_packing
-from lit_instruct.window import TokenWindow, gradient_factor, scale_gradients
+from lit_instruct.models.build import ModelOptions, build_trainable_model
+from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.train.fit_report import FitReport
+from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model
+from lit_instruct.train.rng_states import RestoreRNGStates
+from lit_instruct.train.throughput import TokensPerSecond
+from lit_instruct.train.window import TokenWindow, gradient_factor, scale_gradients
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
@@ -119,7 +102,7 @@ class InstructLoRAModule(L.LightningModule):
             ``transformers`` implementation (packed batches need ``sdpa`` or ``eager``).
         packing: build the model for packed rows (``data.packing``; the CLI links the two): its
             attention runs sample by sample, after a check at build time that a packed row gives
-            what its samples give alone (:func:`lit_instruct.packing.enable_packing`).
+            what its samples give alone (:func:`lit_instruct.models.packing.enable_packing`).
         low_memory_load: with ``fused_ce_fsdp``, only rank 0 reads the base's weights; the other
             ranks build it on the meta device and receive their shards from rank 0 when it is
             sharded, so no other rank ever holds the whole base (a 4-bit base still loads on every
@@ -133,7 +116,7 @@ class InstructLoRAModule(L.LightningModule):
             peak of the warmup-cosine schedule, and ``learning_rate``, ``betas`` and
             ``weight_decay`` are then unused. Default: AdamW with those.
         fuse_lora: run the adapters of projections that share an input (q/k/v, gate/up) and SwiGLU
-            MLPs as fused autograd nodes (:mod:`lit_instruct.fused_lora`): the same adapters and
+            MLPs as fused autograd nodes (:mod:`lit_instruct.models.fused_lora`): the same adapters and
             results, fewer and smaller ops and saved activations; checked against PEFT's own
             forward at build time.
     """
@@ -174,32 +157,27 @@ class InstructLoRAModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
-        meta_ranks = low_memory_load and self.quantization.method == "none"
-        on_meta = meta_ranks and launched_rank() > 0
-        base = load_base_model(
-            model, dtype, trust_remote_code, self.quantization, attn_implementation, on_meta
+        options = ModelOptions(
+            model,
+            dtype,
+            trust_remote_code,
+            attn_implementation,
+            packing,
+            fuse_lora,
+            gradient_checkpointing,
+            checkpoint_layers,
+            compile_layers,
         )
-        self.built_on_meta = on_meta
-        if packing:
-            enable_packing(base, check=not on_meta)  # rank 0 checks the same model with its weights
+        meta_ranks = low_memory_load and self.quantization.method == "none"
+        built = build_trainable_model(
+            options, self.lora_config, self.quantization, meta_ranks, meta_ranks and launched_rank() > 0
+        )
+        self.model = built.peft_model
+        self.logit_transform = built.logit_transform
+        self.router_aux_loss = built.router_aux_loss
+        self.fused_layers = built.fused_layers
+        self.built_on_meta = built.built_on_meta
         self.packing = packing
-        self.logit_transform = output_head(base, verify=not on_meta).transform  # rank 0 verifies it
-        self.router_aux_loss = RouterAuxLoss.of(base)
-        self.model = attach_lora(base, self.lora_config, probe=not meta_ranks)  # the same on every rank
-        self.model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
-        self.fused_layers = fuse_lora_layers(self.model, check=not on_meta) if fuse_lora else None
-        if self.quantization.method != "none":  # the build checks above ran eval forwards on it
-            check_training_layout(self.model, getattr(torch, self.quantization.compute_dtype))
-        if gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
-            self.base_model.gradient_checkpointing_enable({"use_reentrant": False})
-            if checkpoint_layers is not None:
-                for layer in decoder_of(self.base_model).layers[checkpoint_layers:]:
-                    layer.gradient_checkpointing = False
-        elif checkpoint_layers is not None:
-            raise ValueError("model.checkpoint_layers needs model.gradient_checkpointing: true")
-        if compile_layers:
-            for layer in decoder_of(self.base_model).layers:
-                layer.compile(dynamic=True)
         self.loss_fn: LossFn = resolve_loss(loss)
         self.loss_from_config = loss is not None  # a strategy's fused loss does not replace it
         self.window = TokenWindow()
@@ -235,7 +213,7 @@ class InstructLoRAModule(L.LightningModule):
     def configure_model(self) -> None:
         """Under a strategy with a device mesh (``fused_ce_fsdp``, Lightning's ``ModelParallelStrategy``):
         shard the base per decoder layer, at the trunk and at the lm_head with FSDP2
-        (:mod:`lit_instruct.fsdp`); with ``low_memory_load``, fill the shards from rank 0. Other
+        (:mod:`lit_instruct.train.fsdp`); with ``low_memory_load``, fill the shards from rank 0. Other
         strategies leave the model as built."""
         mesh = self.device_mesh
         if mesh is None:
@@ -316,7 +294,7 @@ class InstructLoRAModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the step's gradient that of sum(CE) / count over the whole window, all ranks, before
-        any clipping (:mod:`lit_instruct.window`); log the window's token-weighted loss."""
+        any clipping (:mod:`lit_instruct.train.window`); log the window's token-weighted loss."""
         totals = self.window.close(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"), self.device)
         trainer = self.trainer
         factor = gradient_factor(totals.response_tokens, trainer.accumulate_grad_batches, trainer.world_size)

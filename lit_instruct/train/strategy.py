@@ -1,7 +1,7 @@
 """Strategies that swap the module's loss for the fused linear cross-entropy, and do nothing else.
 
 ``trainer.strategy: fused_ce`` (one device), ``fused_ce_ddp`` (DDP) or ``fused_ce_fsdp`` (FSDP2) in
-YAML (registered by name when this module is imported, which :mod:`lit_instruct.module` does), or
+YAML (registered by name by :func:`register_strategies`, which importing :mod:`lit_instruct.train` runs), or
 ``Trainer(strategy=FusedCESingleDeviceStrategy(chunk_size=256))`` in Python. The module trains the
 same without them, on its reference loss.
 """
@@ -19,8 +19,8 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 
-from lit_instruct.fsdp import gathered_trainable_state
 from lit_instruct.loss.fused import Backend, FusedLinearCrossEntropy
+from lit_instruct.train.fsdp import gathered_trainable_state
 
 
 class FusedCEMixin:
@@ -97,7 +97,7 @@ class FusedCEDDPStrategy(FusedCEMixin, DDPStrategy):
 class FusedCEFSDPStrategy(FusedCEMixin, ModelParallelStrategy):
     """Lightning's FSDP2 (``ModelParallelStrategy``, data parallel only) with the fused loss.
 
-    The module shards its base per decoder layer in ``configure_model`` (:mod:`lit_instruct.fsdp`);
+    The module shards its base per decoder layer in ``configure_model`` (:mod:`lit_instruct.train.fsdp`);
     the loss gathers the lm_head weight it needs. Checkpoints hold the trainable (adapter) weights
     and their optimizer state only, gathered into one file on rank 0 (so they load on any number of
     ranks); the frozen base is never gathered.
@@ -138,6 +138,3 @@ def register_strategies() -> None:
         if cls.strategy_name not in StrategyRegistry:
             description = (cls.__doc__ or cls.strategy_name).splitlines()[0]
             StrategyRegistry.register(cls.strategy_name, cls, description=description)
-
-
-register_strategies()

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_instruct.decoder import decoder_of
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
+from lit_instruct.models.decoder import decoder_of
 
 
 class UnsupportedModelError(ValueError):

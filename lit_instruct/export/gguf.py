@@ -206,9 +206,9 @@ def export_gguf(
     ollama: bool = False,
 ) -> Path:
     """Merge ``adapter`` into its full-precision base and write the GGUF file ``out``; with ``ollama``
-    also a ``Modelfile`` beside it (:func:`lit_instruct.ollama.write_modelfile`)."""
-    from lit_instruct.export import merged_model
-    from lit_instruct.ollama import ollama_format, write_modelfile
+    also a ``Modelfile`` beside it (:func:`lit_instruct.export.ollama.write_modelfile`)."""
+    from lit_instruct.export.adapter import merged_model
+    from lit_instruct.export.ollama import ollama_format, write_modelfile
 
     model, tokenizer = merged_model(adapter, base)
     _check_supported(model.config)  # refusals before any writing

@@ -5,7 +5,7 @@ and final norm, which :meth:`InstructLoRAModule.trunk` calls) and at the lm_head
 weights are gathered just before its forward and freed after it. LoRA adapters are sharded with
 their layer and stay trainable; their gradients are reduce-scattered (averaged over ranks, as DDP
 averages them). A 4-bit (NF4) base shards the same way when bitsandbytes packs it in the compute
-dtype (``bnb_4bit_quant_storage``, which :func:`lit_instruct.model.load_base_model` sets).
+dtype (``bnb_4bit_quant_storage``, which :func:`lit_instruct.models.load.load_base_model` sets).
 
 The lm_head is not part of the trunk's forward: the fused loss reads its weight directly. Read through
 :func:`full_tensor`, a sharded weight is gathered for the loss only (its shard stays the stored copy);
@@ -19,38 +19,7 @@ from typing import Any
 
 import torch
 
-from lit_instruct.decoder import decoder_of
-
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (a shard of a tensor spread over ranks)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded tensor (a view: in-place changes reach it), else ``tensor``."""
-    return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """The whole of a sharded tensor (gathered from every rank; differentiable), else ``tensor``."""
-    if tensor is None or not is_sharded(tensor):
-        return tensor
-    if not tensor.requires_grad:
-        with torch.no_grad():
-            return tensor.full_tensor()  # type: ignore[attr-defined]
-    return tensor.full_tensor()  # type: ignore[attr-defined]
-
-
-def refuse_sharded(name: str, tensor: torch.Tensor | None) -> None:
-    """Raise if ``tensor`` is a shard: a loss over part of the vocabulary would be silently wrong."""
-    if tensor is not None and is_sharded(tensor):
-        raise TypeError(
-            f"the {name} is sharded (a DTensor of local shape {tuple(tensor.to_local().shape)}): the loss "  # type: ignore[attr-defined]
-            "needs the whole of it; gather it with lit_instruct.fsdp.full_tensor first"
-        )
+from lit_instruct.models.decoder import decoder_of
 
 
 def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> None:
@@ -81,14 +50,6 @@ def gathered_trainable_state(module: torch.nn.Module) -> dict[str, Any]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     return get_model_state_dict(module, options=options)
-
-
-def launched_rank() -> int:
-    """This process's rank as its launcher set it (Lightning's and torchrun's ``LOCAL_RANK`` /
-    ``RANK``), before any process group exists; 0 when not launched as a rank."""
-    import os
-
-    return max(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def fill_from_rank_zero(

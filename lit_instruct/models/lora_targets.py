@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from lit_instruct.decoder import decoder_of
-from lit_instruct.weight_reads import weights_read_directly
+from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.weight_reads import weights_read_directly
 
 MAMBA_MODEL_TYPES = frozenset(
     {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h", "bamba", "granitemoehybrid", "zamba2"}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lit_instruct.output_head import UnsupportedModelError
+from lit_instruct.models.output_head import UnsupportedModelError
 
 _CALL = re.compile(
     r"aux_loss = load_balancing_loss_func\(\s*outputs\.router_logits,\s*self\.num_experts,\s*"

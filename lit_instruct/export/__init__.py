@@ -1,0 +1,1 @@
+"""Out of training: PEFT adapter folders, merged models, GGUF files and Ollama Modelfiles."""

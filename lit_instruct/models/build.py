@@ -1,0 +1,102 @@
+"""The one path from a model name to a trainable model: load the base, check its output head, build
+it for packed rows, attach LoRA, fuse the adapters, and put the 4-bit layers back in training layout.
+
+Each rewrite checks itself against the model's own forward as it is made (the head check, the
+packed-vs-alone check, LoRA coverage, the fused-LoRA check), in this order: every check after the
+first runs on the model the earlier steps built. A rank that builds on the meta device (FSDP's
+``low_memory_load``) skips the checks that need weights; rank 0 runs them on the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lit_instruct.loss.logits import LogitTransform
+from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.four_bit import check_training_layout
+from lit_instruct.models.fused_lora import FusedLayers, fuse_lora
+from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig, load_base_model
+from lit_instruct.models.lora import LoRAConfig, attach_lora
+from lit_instruct.models.moe import RouterAuxLoss
+from lit_instruct.models.output_head import output_head
+from lit_instruct.models.packing import enable_packing
+
+
+@dataclass
+class ModelOptions:
+    """How to build the trainable model (:class:`~lit_instruct.train.module.InstructLoRAModule`'s
+    model arguments)."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: DType = "float32"
+    trust_remote_code: bool = False
+    attn_implementation: AttnImplementation = "auto"
+    packing: bool = False
+    fuse_lora: bool = True
+    gradient_checkpointing: bool = False
+    checkpoint_layers: int | None = None
+    compile_layers: bool = False
+
+
+@dataclass
+class TrainableModel:
+    """A peft model ready to train, and what the loss needs to know of its base."""
+
+    peft_model: Any
+    logit_transform: LogitTransform
+    """The model's own logit scaling / soft-capping, checked against its logits."""
+    router_aux_loss: RouterAuxLoss | None
+    """The router's auxiliary loss, for MoE models whose forward adds it."""
+    fused_layers: FusedLayers | None
+    built_on_meta: bool
+    """Built without weights (a rank that receives its shards from rank 0)."""
+
+
+def build_trainable_model(
+    options: ModelOptions,
+    lora: LoRAConfig,
+    quantization: QuantizationConfig,
+    low_memory_ranks: bool = False,
+    on_meta: bool = False,
+) -> TrainableModel:
+    """Build the trainable model for ``options``.
+
+    ``low_memory_ranks``: some ranks build on the meta device (every rank then skips the probe
+    forward of LoRA targeting, so that all place the same adapters); ``on_meta``: this one does.
+
+    Raises:
+        UnsupportedModelError: a head, packing or fused-LoRA check failed (named in the message).
+        ValueError: ``checkpoint_layers`` without ``gradient_checkpointing``; a LoRA shortfall.
+    """
+    if options.checkpoint_layers is not None and not options.gradient_checkpointing:
+        raise ValueError("model.checkpoint_layers needs model.gradient_checkpointing: true")
+    base: Any = load_base_model(
+        options.model,
+        options.dtype,
+        options.trust_remote_code,
+        quantization,
+        options.attn_implementation,
+        on_meta,
+    )
+    if options.packing:
+        enable_packing(base, check=not on_meta)  # rank 0 checks the same model with its weights
+    transform = output_head(base, verify=not on_meta).transform  # rank 0 verifies it
+    router_aux_loss = RouterAuxLoss.of(base)
+    peft_model = attach_lora(base, lora, probe=not low_memory_ranks)  # the same on every rank
+    peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
+    fused = fuse_lora(peft_model, check=not on_meta) if options.fuse_lora else None
+    if quantization.method != "none":  # the build checks above ran eval forwards on it
+        check_training_layout(peft_model, getattr(torch, quantization.compute_dtype))
+    layers = decoder_of(base).layers
+    if options.gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
+        base.gradient_checkpointing_enable({"use_reentrant": False})
+        if options.checkpoint_layers is not None:
+            for layer in layers[options.checkpoint_layers :]:
+                layer.gradient_checkpointing = False
+    if options.compile_layers:
+        for layer in layers:
+            layer.compile(dynamic=True)
+    return TrainableModel(peft_model, transform, router_aux_loss, fused, on_meta)
