@@ -24,10 +24,8 @@ def fit(tiny_model_dir: Path, chat_file: Path, tmp_path: Path, *extra: str) -> I
     return InstructCLI(args=[*args, *extra])
 
 
-def test_the_loss_set_in_the_config_is_kept_under_the_fused_strategy(
-    tiny_model_dir, chat_file, tmp_path
-) -> None:
-    default = fit(tiny_model_dir, chat_file, tmp_path / "default")  # lora.yaml: strategy fused_ce
+def test_the_loss_is_set_in_the_config(tiny_model_dir, chat_file, tmp_path) -> None:
+    default = fit(tiny_model_dir, chat_file, tmp_path / "default")
     assert isinstance(default.model.loss_fn, FusedLinearCrossEntropy)
     reference = fit(tiny_model_dir, chat_file, tmp_path / "reference", "--model.loss", "reference")
     assert reference.model.loss_fn is reference_linear_cross_entropy

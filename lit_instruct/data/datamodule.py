@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +16,11 @@ from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
 from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
-from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
-from lit_instruct.data.stream import START, Position, SampleStream, StreamCollator
+from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 from lit_instruct.io import log_dir
-from lit_instruct.rng import gather_objects
-
-
-def key_values(items: Iterable[tuple[str, int]]) -> str:
-    """``a=1, b=2``: how counts are reported."""
-    return ", ".join(f"{key}={value}" for key, value in items)
 
 
 def unique_names(sources: list[DataSource], taken: list[DataSource]) -> list[DataSource]:
@@ -183,24 +175,20 @@ class InstructDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.pad_to_multiple_of = pad_to_multiple_of
         self.num_workers = num_workers
-        self.group_by_length = group_by_length
-        self.seed = seed
         self.rejects_file = rejects_file
         self.packing = packing
         self.num_proc = num_proc
         self.cache = cache
         self.cache_dir = cache_dir
-        self.mixture_replacement = mixture_replacement
         self.streaming = streaming
-        self.shuffle_buffer = shuffle_buffer
-        self.stream: SampleStream | None = None
-        self._stream_position: Position = START
-        self._stream_resume: list[Position] | None = None  # every rank's, from a checkpoint
+        self.feed: TrainingFeed = (
+            StreamedFeed(self.sources, seed, shuffle_buffer)
+            if streaming
+            else SampledFeed(seed, group_by_length, mixture_replacement)
+        )
         self.tokenizer: Any = None
         self.prepared: PreparedData | None = None
         self._set_up = False
-        self.sampler: InstructSampler | None = None
-        self._resume: tuple[int, int] | None = None
 
     def prepare_data(self) -> None:
         """Prepare a bundled model's tokenizer, and the tokenized data into the cache (rank 0 only:
@@ -312,56 +300,21 @@ class InstructDataModule(L.LightningDataModule):
         return PadCollator(pad_id, self.pad_to_multiple_of, source)
 
     def train_dataloader(self) -> DataLoader:
-        if self.streaming:
-            return self._stream_loader()
-        return self._sampled_loader()
-
-    def _stream_loader(self) -> DataLoader:
-        trainer = self.trainer
-        if trainer is not None and trainer.max_steps < 0:
-            raise ValueError("data.streaming: the stream has no end; set trainer.max_steps")
-        tokenizer, settings = self.load_tokenizer(), self.settings
-        self.stream = SampleStream(
-            self.sources,
-            TemplateRenderers(tokenizer, settings).settings(self.sources, self.model_vocab_size()),
-            rank=trainer.global_rank if trainer else 0,
-            world_size=trainer.world_size if trainer else 1,
-            seed=self.seed,
-            shuffle_buffer=self.shuffle_buffer,
-            resume=self._resume_position(trainer),
-        )
-        return DataLoader(
-            self.stream, batch_size=self.batch_size, collate_fn=StreamCollator(self._collator())
-        )
-
-    def _resume_position(self, trainer: L.Trainer | None) -> Position:
-        """This rank's position in the checkpoint's stream (the start without one)."""
-        if self._stream_resume is None:
-            return START
-        world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
-        if len(self._stream_resume) != world:
-            raise ValueError(
-                f"the checkpoint's stream was sharded over {len(self._stream_resume)} ranks, this run has "
-                f"{world}: a stream resumes exactly only on as many ranks (or restart it without ckpt_path)"
-            )
-        return self._stream_resume[rank]
+        feed, collate, size = self.feed, self._collator(), self.batch_size
+        if isinstance(feed, StreamedFeed):
+            renderers = TemplateRenderers(self.load_tokenizer(), self.settings)
+            settings = renderers.settings(self.sources, self.model_vocab_size())
+            return feed.loader(settings, size, collate, self.trainer)
+        return feed.loader(self.train_samples, [s.weight for s in self.sources], size, collate, self.trainer)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Note the stream position of the batch about to be trained on (batches fetched ahead are
-        not trained on yet)."""
-        if isinstance(batch, dict) and "stream_position" in batch:
-            self._stream_position = batch.pop("stream_position")
-        return batch
+        return self.feed.on_batch(batch)
 
     def teardown(self, stage: str) -> None:
-        """Report what the stream read and skipped, and write its rejected records."""
-        stream = self.stream
-        if stream is None or stage != TrainerFn.FITTING:  # once, after fit (not again after validate);
-            return  # the same on every rank, so the collectives below stay in step
-        counts: Counter[str] = sum(gather_objects(stream.counts), Counter())  # each rank read its own records
-        rank_zero_info(f"lit-instruct data [train, streamed]: {key_values(sorted(counts.items()))}")
-        ranks = gather_objects(stream.rejects.rows)
-        self._write_rejects([row for rows in ranks for row in rows])
+        """After fit (once: not again after validate), report what a stream read and write the
+        records it rejected (the same rows on every rank, so the log-folder collective stays in step)."""
+        if stage == TrainerFn.FITTING and (rows := self.feed.rejects_after_fit()):
+            self._write_rejects(rows)
 
     def _write_rejects(self, rows: list[dict[str, Any]]) -> None:
         """Write skipped records to the rejects file on rank 0 (every rank calls it: finding the
@@ -371,55 +324,17 @@ class InstructDataModule(L.LightningDataModule):
             Rejects(rows=rows).write(path)
             rank_zero_info(f"lit-instruct data: {len(rows)} bad records skipped, listed in {path}")
 
-    def _sampled_loader(self) -> DataLoader:
-        """Batches of :class:`InstructSampler`'s order, built in the main process.
-
-        The samples are tokenized already, so worker processes would only add overhead; and the
-        order stays exactly resumable mid-epoch (see :meth:`state_dict`).
-        """
-        trainer = self.trainer
-        weights = [s.weight for s in self.sources]
-        mixture = any(w != 1.0 for w in weights)
-        self.sampler = InstructSampler(
-            self.train_samples.lengths.tolist(),
-            self.batch_size,
-            num_replicas=trainer.world_size if trainer else 1,
-            rank=trainer.global_rank if trainer else 0,
-            group_by_length=self.group_by_length,
-            seed=self.seed,
-            sources=self.train_samples.source_ids.tolist() if mixture else None,
-            weights=weights if mixture else None,
-            replacement=self.mixture_replacement,
-        )
-        if self._resume is not None:
-            self.sampler.resume_at(*self._resume)
-        return DataLoader(
-            self.train_samples,  # type: ignore[arg-type]  # a sequence is a map-style dataset
-            batch_size=self.batch_size,
-            sampler=self.sampler,
-            collate_fn=self._collator(),
-        )
-
     def state_dict(self) -> dict[str, Any]:
-        """Where training stands in the data: the epoch and how many of its batches are done.
-
-        Read from the Trainer's own progress, which counts what the loop consumed (a DataLoader's
-        count would include what was fetched ahead).
-        """
+        """Where training stands in the data (the feed's place), while fitting."""
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return {}
-        if self.streaming:
-            return {"stream_positions": gather_objects(list(self._stream_position))}  # collective
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return {"epoch": trainer.current_epoch, "batches_done": done}
+        return self.feed.state_dict(trainer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training order where the checkpoint left it."""
-        if "stream_positions" in state_dict:
-            self._stream_resume = [(e, r, s) for e, r, s in state_dict["stream_positions"]]
-        elif state_dict:
-            self._resume = (state_dict["epoch"], state_dict["batches_done"])
+        if state_dict:
+            self.feed.load_state_dict(state_dict)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """The validation samples; with several sources, one loader per source whose batches carry

@@ -46,12 +46,12 @@ LossChoice = Literal["fused", "reference"]
 
 
 def resolve_loss(loss: LossChoice | Callable | None) -> LossFn:
-    """The loss a module computes with: ``fused`` (:class:`FusedLinearCrossEntropy`), ``reference``
-    or ``None`` (the reference until a ``fused_ce*`` strategy installs the fused one), or any callable
-    with the :class:`~lit_instruct.loss.LossFn` signature (a ``class_path`` in YAML)."""
-    if loss is None or loss == "reference":
+    """The loss a module computes with: ``fused`` (:class:`FusedLinearCrossEntropy`), ``reference``,
+    or any callable with the :class:`~lit_instruct.loss.LossFn` signature (a ``class_path`` in YAML);
+    ``None`` (hparams of a callable loss, which checkpoints do not keep): ``fused``."""
+    if loss == "reference":
         return reference_linear_cross_entropy
-    if loss == "fused":
+    if loss == "fused" or loss is None:
         return FusedLinearCrossEntropy()
     if isinstance(loss, str) or not callable(loss):
         raise ValueError(f"model.loss must be fused, reference or a callable loss, got {loss!r}")
@@ -72,8 +72,8 @@ class InstructLoRAModule(L.LightningModule):
     ``training_step`` runs the decoder trunk to final hidden states and hands them, shifted, to
     ``self.loss_fn(hidden, lm_head.weight, labels, bias=..., transform=...)`` with the model's own
     logit scaling / soft-capping (read from its forward and checked against its logits at load); the
-    full ``[tokens, vocab]`` logits are never asked for, and a strategy may swap ``loss_fn`` for a
-    fused implementation. MoE models whose forward adds the router's auxiliary loss get it added too.
+    full ``[tokens, vocab]`` logits are never asked for (``loss``: the fused loss by default). MoE
+    models whose forward adds the router's auxiliary loss get it added too.
 
     The module brings its own callbacks (:meth:`configure_callbacks`): ``train/tokens_per_s``, RNG
     states in checkpoints for exact resumes, and the fit report.
@@ -107,10 +107,10 @@ class InstructLoRAModule(L.LightningModule):
             ranks build it on the meta device and receive their shards from rank 0 when it is
             sharded, so no other rank ever holds the whole base (a 4-bit base still loads on every
             rank: it is quantized from its weights).
-        loss: ``fused``, ``reference``, or any callable with the loss signature (``class_path`` in
-            YAML: Liger's or Cut Cross-Entropy's behind a small adapter); ``None`` (default): the
-            reference, replaced by the fused loss under a ``fused_ce*`` strategy. A loss set here
-            is kept whatever the strategy.
+        loss: ``fused`` (default: :class:`~lit_instruct.loss.FusedLinearCrossEntropy`),
+            ``reference`` (full logits, then PyTorch's cross-entropy), or any callable with the loss
+            signature (``class_path`` in YAML: Liger's or Cut Cross-Entropy's behind a small adapter,
+            or ``FusedLinearCrossEntropy`` with its ``chunk_size`` / ``backend``).
         optimizer: the optimizer over the adapter weights, as LightningCLI configures one
             (``{class_path: torch.optim.SGD, init_args: {lr: 0.05}}``); its learning rate is the
             peak of the warmup-cosine schedule, and ``learning_rate``, ``betas`` and
@@ -141,9 +141,7 @@ class InstructLoRAModule(L.LightningModule):
         packing: bool = False,
         low_memory_load: bool = False,
         fuse_lora: bool = True,
-        loss: LossChoice
-        | Callable
-        | None = None,  # Callable, not LossFn: jsonargparse then builds a class_path
+        loss: LossChoice | Callable = "fused",  # Callable, not LossFn: jsonargparse then builds a class_path
         optimizer: OptimizerCallable | None = None,
     ) -> None:
         super().__init__()
@@ -179,7 +177,6 @@ class InstructLoRAModule(L.LightningModule):
         self.built_on_meta = built.built_on_meta
         self.packing = packing
         self.loss_fn: LossFn = resolve_loss(loss)
-        self.loss_from_config = loss is not None  # a strategy's fused loss does not replace it
         self.window = TokenWindow()
         self.val_loss = MeanMetric()
         self.val_tokens = SumMetric()

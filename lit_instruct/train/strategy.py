@@ -1,16 +1,16 @@
-"""Strategies that swap the module's loss for the fused linear cross-entropy, and do nothing else.
+"""Strategies for devices and sharding; the loss is the module's own (``model.loss``).
 
-``trainer.strategy: fused_ce`` (one device), ``fused_ce_ddp`` (DDP) or ``fused_ce_fsdp`` (FSDP2) in
-YAML (registered by name by :func:`register_strategies`, which importing :mod:`lit_instruct.train` runs), or
-``Trainer(strategy=FusedCESingleDeviceStrategy(chunk_size=256))`` in Python. The module trains the
-same without them, on its reference loss.
+``trainer.strategy: fused_ce`` (one device, following the Trainer's accelerator), ``fused_ce_ddp``
+(Lightning's DDP) or ``fused_ce_fsdp`` (FSDP2 over the decoder layers, adapter-only checkpoints) in
+YAML, registered by name by :func:`register_strategies` (which importing :mod:`lit_instruct.train`
+runs). The names are those of the releases where these strategies installed the fused loss; the
+module now computes it on any strategy.
 """
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any
 
-import lightning as L
 import torch
 from lightning.pytorch.strategies import (
     DDPStrategy,
@@ -19,38 +19,11 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 
-from lit_instruct.loss.fused import Backend, FusedLinearCrossEntropy
 from lit_instruct.train.fsdp import gathered_trainable_state
 
 
-class FusedCEMixin:
-    """Installs :class:`FusedLinearCrossEntropy` as ``lightning_module.loss_fn`` at setup, unless
-    the module's loss was set in its config (``model.loss``).
-
-    Args:
-        chunk_size: token rows per chunk (default: a 512 MiB fp32 logits workspace).
-        backend: ``auto`` (triton on CUDA when installed, else torch), ``torch`` or ``triton``.
-    """
-
-    def __init__(self, *args: Any, chunk_size: int | None = None, backend: Backend = "auto", **kwargs: Any):
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-        if backend not in get_args(Backend):
-            raise ValueError(f"backend must be one of {get_args(Backend)}, got {backend!r}")
-        super().__init__(*args, **kwargs)
-        self.loss = FusedLinearCrossEntropy(chunk_size=chunk_size, backend=backend)
-
-    def setup(self, trainer: L.Trainer) -> None:
-        super().setup(trainer)  # type: ignore[misc]
-        module = self.lightning_module  # type: ignore[attr-defined]
-        if not hasattr(module, "loss_fn"):
-            raise TypeError(f"{type(module).__name__} has no `loss_fn` for the fused_ce strategy to replace")
-        if not getattr(module, "loss_from_config", False):  # model.loss, when set, wins
-            module.loss_fn = self.loss
-
-
-class FusedCESingleDeviceStrategy(FusedCEMixin, SingleDeviceStrategy):
-    """One device with the fused loss; the device follows the Trainer's accelerator and devices
+class FusedCESingleDeviceStrategy(SingleDeviceStrategy):
+    """One device; the device follows the Trainer's accelerator and devices
     unless one is given here.
 
     Raises:
@@ -88,14 +61,14 @@ class FusedCESingleDeviceStrategy(FusedCEMixin, SingleDeviceStrategy):
             self._chosen = devices[0]
 
 
-class FusedCEDDPStrategy(FusedCEMixin, DDPStrategy):
-    """Lightning's DDP with the fused loss."""
+class FusedCEDDPStrategy(DDPStrategy):
+    """Lightning's DDP, under the name ``fused_ce_ddp``."""
 
     strategy_name = "fused_ce_ddp"
 
 
-class FusedCEFSDPStrategy(FusedCEMixin, ModelParallelStrategy):
-    """Lightning's FSDP2 (``ModelParallelStrategy``, data parallel only) with the fused loss.
+class FusedCEFSDPStrategy(ModelParallelStrategy):
+    """Lightning's FSDP2 (``ModelParallelStrategy``, data parallel only) for LoRA and QLoRA.
 
     The module shards its base per decoder layer in ``configure_model`` (:mod:`lit_instruct.train.fsdp`);
     the loss gathers the lm_head weight it needs. Checkpoints hold the trainable (adapter) weights
