@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
 from lit_instruct.data.chatterbot import read_chatterbot
-from lit_instruct.data.records import DataError, Message
+from lit_instruct.data.records import FORMATS, DataError, Message, RecordFormat
 from lit_instruct.data.sources import DataSource, read_source
 from tests.helpers import BAD_LINES, GOOD
 
@@ -326,3 +327,7 @@ def test_fields_no_format_uses_are_counted_and_fields_we_cannot_honour_refused(t
         path = write_jsonl(tmp_path / f"{field}.jsonl", [{"prompt": "Hi", "completion": "Yo", field: value}])
         with pytest.raises(DataError, match=re.escape(f"{path}:1: field '{field}' holds {what}")):
             read_source(path)
+
+
+def test_every_format_the_config_offers_is_in_the_format_table() -> None:
+    assert set(FORMATS) == set(get_args(RecordFormat)) - {"auto"}

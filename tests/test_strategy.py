@@ -1,4 +1,4 @@
-"""The fused_ce strategies: registered by name, follow the Trainer's devices, and leave the loss to the module."""
+"""The fused_ce strategies: registered by name, follow the Trainer's devices, leave the loss to the module."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ and the field.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -41,14 +42,6 @@ SHAREGPT_ROLES = {
 }
 """ShareGPT's ``from`` values and the roles they are."""
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-RECORD_FIELDS = {
-    "chat": {"messages", "tools", "system"},
-    "sharegpt": {"conversations", "tools", "system"},
-    "alpaca": {"instruction", "input", "output", "system", "history"},
-    "prompt_completion": {"prompt", "completion", "system"},
-    "text": {"text"},
-}
-"""The record fields each format uses; any other is counted as unused (``unused_field_<name>``)."""
 TURN_FIELDS = {"role", "content", "from", "value", "train", "weight", "tool_calls", "tool_call_id", "name"}
 TURN_FIELDS |= set(REASONING_KEYS)
 REFUSED_FIELDS = {
@@ -117,27 +110,6 @@ class Record:
     def key(self) -> tuple[Any, ...]:
         """What makes two records the same conversation (for de-duplication)."""
         return (self.messages, self.tools, self.text)
-
-
-def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
-    """Tell a record's format from its keys."""
-    if "messages" in raw:
-        return "chat"
-    if "conversations" in raw:
-        return "sharegpt"
-    if "instruction" in raw:
-        return "alpaca"
-    if "prompt" in raw and "completion" in raw:
-        return "prompt_completion"
-    if "text" in raw:
-        return "text"
-    raise DataError(
-        source,
-        f"record has keys {sorted(raw)}; expected 'messages' (chat), 'conversations' (ShareGPT), "
-        "'instruction'+'output' (alpaca), 'prompt'+'completion' or 'text' (map other names with "
-        "columns)",
-        reason="unknown_format",
-    )
 
 
 def map_columns(raw: Any, columns: dict[str, str], source: str) -> Any:
@@ -342,19 +314,9 @@ def _check_conversation(
         )
 
 
-REQUIRED: dict[str, tuple[str, ...]] = {
-    "chat": ("messages",),
-    "sharegpt": ("conversations",),
-    "alpaca": ("instruction", "output"),
-    "prompt_completion": ("prompt", "completion"),
-    "text": ("text",),
-}
-"""The fields each format needs."""
-
-
 def _refuse_other_format(raw: dict[str, Any], fmt: str, source: str) -> None:
     """A record that lacks its format's fields: say what it looks like instead."""
-    missing = [key for key in REQUIRED[fmt] if key not in raw]
+    missing = [key for key in FORMATS[fmt].required if key not in raw]
     try:
         looks = detect_format(raw, source)
     except DataError:
@@ -380,8 +342,9 @@ def _conversational_prompt_completion(raw: dict[str, Any], source: str) -> tuple
 def _unused_fields(raw: dict[str, Any], fmt: str, source: str) -> tuple[str, ...]:
     """The non-empty fields of the record and of its turns that ``fmt`` does not use; a field in
     :data:`REFUSED_FIELDS` is an error."""
-    turn_lists = [k for k in ("messages", "conversations", "prompt", "completion") if k in RECORD_FIELDS[fmt]]
-    fields = [(key, value) for key, value in raw.items() if key not in RECORD_FIELDS[fmt]]
+    used = FORMATS[fmt].fields
+    turn_lists = [k for k in ("messages", "conversations", "prompt", "completion") if k in used]
+    fields = [(key, value) for key, value in raw.items() if key not in used]
     for key in turn_lists:
         turns = raw.get(key)
         if isinstance(turns, list):
@@ -438,6 +401,111 @@ def _with_system(
     return (Message("system", system), *messages)
 
 
+def _conversation(
+    raw: dict[str, Any], messages: tuple[Message, ...], source: str, key: str, text: str
+) -> tuple[Message, ...]:
+    """The record's turns with its top-level ``system`` prompt, checked: no empty turn, and the last
+    one the assistant's answer (``key``/``text``: the format's names, for the error messages)."""
+    messages = _with_system(raw, messages, source, key)
+    _check_conversation(messages, source, key, text)
+    return messages
+
+
+def _chat(raw: dict[str, Any], source: str) -> Record:
+    messages = _conversation(raw, _turns(raw, source, "messages"), source, "messages", "content")
+    return Record(messages, source, _tools(raw, source))
+
+
+def _sharegpt(raw: dict[str, Any], source: str) -> Record:
+    turns = _turns(raw, source, "conversations")
+    return Record(_conversation(raw, turns, source, "conversations", "value"), source, _tools(raw, source))
+
+
+def _alpaca(raw: dict[str, Any], source: str) -> Record:
+    instruction = _string_field(raw, "instruction", source)
+    extra = _string_field(raw, "input", source, optional=True)
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    answer = Message("assistant", _string_field(raw, "output", source))
+    messages = (*_alpaca_history(raw, source), Message("user", prompt), answer)
+    return Record(_conversation(raw, messages, source, "messages", "content"), source)
+
+
+def _prompt_completion(raw: dict[str, Any], source: str) -> Record:
+    if isinstance(raw["prompt"], list | tuple) or isinstance(raw["completion"], list | tuple):
+        messages = _conversational_prompt_completion(raw, source)
+    else:
+        messages = (
+            Message("user", _string_field(raw, "prompt", source)),
+            Message("assistant", _string_field(raw, "completion", source)),
+        )
+    return Record(_conversation(raw, messages, source, "messages", "content"), source)
+
+
+def _text(raw: dict[str, Any], source: str) -> Record:
+    text = _string_field(raw, "text", source)
+    if not text.strip():
+        raise DataError(source, "field 'text' is empty", "empty_content")
+    return Record((), source, text=text)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One record format: the keys that tell it (in table order), the fields it needs and uses, and
+    how a record of it becomes a :class:`Record`."""
+
+    label: str
+    """How the unknown-format error names it."""
+    detect: tuple[str, ...]
+    required: tuple[str, ...]
+    fields: frozenset[str]
+    """The record fields it uses; any other is counted as unused (``unused_field_<name>``)."""
+    parse: Callable[[dict[str, Any], str], Record]
+
+
+FORMATS: dict[str, Format] = {
+    "chat": Format(
+        "'messages' (chat)", ("messages",), ("messages",), frozenset({"messages", "tools", "system"}), _chat
+    ),
+    "sharegpt": Format(
+        "'conversations' (ShareGPT)",
+        ("conversations",),
+        ("conversations",),
+        frozenset({"conversations", "tools", "system"}),
+        _sharegpt,
+    ),
+    "alpaca": Format(
+        "'instruction'+'output' (alpaca)",
+        ("instruction",),
+        ("instruction", "output"),
+        frozenset({"instruction", "input", "output", "system", "history"}),
+        _alpaca,
+    ),
+    "prompt_completion": Format(
+        "'prompt'+'completion'",
+        ("prompt", "completion"),
+        ("prompt", "completion"),
+        frozenset({"prompt", "completion", "system"}),
+        _prompt_completion,
+    ),
+    "text": Format("'text'", ("text",), ("text",), frozenset({"text"}), _text),
+}
+"""Every record format, in the order :func:`detect_format` tries them."""
+
+
+def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
+    """Tell a record's format from its keys (the first format of :data:`FORMATS` whose keys it has)."""
+    for name, fmt in FORMATS.items():
+        if all(key in raw for key in fmt.detect):
+            return name  # type: ignore[return-value]  # FORMATS' keys are RecordFormat's (tested)
+    labels = [fmt.label for fmt in FORMATS.values()]
+    raise DataError(
+        source,
+        f"record has keys {sorted(raw)}; expected {', '.join(labels[:-1])} or {labels[-1]} (map other "
+        "names with columns)",
+        reason="unknown_format",
+    )
+
+
 def to_record(
     raw: Any, source: str, fmt: RecordFormat = "auto", columns: dict[str, str] | None = None
 ) -> Record:
@@ -447,37 +515,7 @@ def to_record(
     raw = map_columns(raw, columns or {}, source)
     if fmt == "auto":
         fmt = detect_format(raw, source)
-    elif not set(REQUIRED[fmt]) <= set(raw):
+    elif not set(FORMATS[fmt].required) <= set(raw):
         _refuse_other_format(raw, fmt, source)
     unused = _unused_fields(raw, fmt, source)
-    tools = None
-    if fmt in ("chat", "sharegpt"):
-        key = "messages" if fmt == "chat" else "conversations"
-        if key not in raw:
-            raise DataError(source, f"field '{key}' is missing", reason="missing_field")
-        messages = _turns(raw, source, key)
-        tools = _tools(raw, source)
-    elif fmt == "alpaca":
-        instruction = _string_field(raw, "instruction", source)
-        extra = _string_field(raw, "input", source, optional=True)
-        prompt = f"{instruction}\n\n{extra}" if extra else instruction
-        answer = Message("assistant", _string_field(raw, "output", source))
-        messages = (*_alpaca_history(raw, source), Message("user", prompt), answer)
-    elif fmt == "text":
-        text = _string_field(raw, "text", source)
-        if not text.strip():
-            raise DataError(source, "field 'text' is empty", "empty_content")
-        return Record((), source, text=text, unused=unused)
-    elif isinstance(raw["prompt"], list | tuple) or isinstance(raw["completion"], list | tuple):
-        messages = _conversational_prompt_completion(raw, source)
-    else:
-        messages = (
-            Message("user", _string_field(raw, "prompt", source)),
-            Message("assistant", _string_field(raw, "completion", source)),
-        )
-    messages = _with_system(raw, messages, source, "conversations" if fmt == "sharegpt" else "messages")
-    if fmt == "sharegpt":
-        _check_conversation(messages, source, "conversations", "value")
-    else:
-        _check_conversation(messages, source)
-    return Record(messages, source, tools, unused=unused)
+    return replace(FORMATS[fmt].parse(raw, source), unused=unused)
