@@ -27,7 +27,7 @@ _EXPORTS = {
     "FusedLinearCrossEntropy": "lit_instruct.loss.fused",
     "InstructDataModule": "lit_instruct.data.datamodule",
     "InstructLoRAModule": "lit_instruct.train.module",
-    "LoRAConfig": "lit_instruct.models.load",
+    "LoRAConfig": "lit_instruct.models.lora",
     "fused_linear_cross_entropy": "lit_instruct.loss.fused",
 }
 

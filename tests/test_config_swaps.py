@@ -66,3 +66,16 @@ def test_a_loss_that_is_no_loss_is_refused() -> None:
     ):
         resolve_loss("liger")  # type: ignore[arg-type]
     assert isinstance(resolve_loss("fused"), FusedLinearCrossEntropy)
+
+
+def test_a_yaml_file_swaps_loss_and_optimizer(tiny_model_dir, chat_file, tmp_path) -> None:
+    swaps = tmp_path / "swaps.yaml"
+    swaps.write_text(
+        "model:\n  loss: reference\n  optimizer:\n    class_path: torch.optim.SGD\n    init_args:\n"
+        "      lr: 0.05\n      momentum: 0.5\n"
+    )
+    cli = fit(tiny_model_dir, chat_file, tmp_path, "--config", str(swaps))
+    assert cli.model.loss_fn is reference_linear_cross_entropy
+    (optimizer,) = cli.trainer.optimizers
+    assert type(optimizer) is torch.optim.SGD and optimizer.defaults["momentum"] == 0.5
+    assert cli.trainer.global_step == 2
