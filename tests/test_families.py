@@ -42,7 +42,7 @@ LOSSES = {
 def family(request, tmp_path_factory) -> tuple[str, InstructLoRAModule]:
     name = request.param
     path = build_family(name, VOCAB, tmp_path_factory.mktemp(name))
-    module = InstructLoRAModule(model=str(path), lora=LoRAConfig(r=4, alpha=8))
+    module = InstructLoRAModule(model=str(path), lora=LoRAConfig(r=4, alpha=8), loss="reference")
     torch.manual_seed(1)
     with torch.no_grad():  # non-zero B: both LoRA factors get gradients
         for param_name, p in module.named_parameters():
@@ -108,7 +108,9 @@ def test_loss_and_lora_gradients_equal_the_models_own(family, loss) -> None:
 
 def packed_twin(module: InstructLoRAModule) -> InstructLoRAModule:
     """The same model and adapter weights, built for packed rows."""
-    twin = InstructLoRAModule(model=module.hparams.model, lora=LoRAConfig(r=4, alpha=8), packing=True)
+    twin = InstructLoRAModule(
+        model=module.hparams.model, lora=LoRAConfig(r=4, alpha=8), packing=True, loss="reference"
+    )
     twin.load_state_dict(module.state_dict())
     return twin
 

@@ -90,13 +90,12 @@ def build_trainable_model(
     fused = fuse_lora(peft_model, check=not on_meta) if options.fuse_lora else None
     if quantization.method != "none":  # the build checks above ran eval forwards on it
         check_training_layout(peft_model, getattr(torch, quantization.compute_dtype))
-    layers = decoder_of(base).layers
     if options.gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
         base.gradient_checkpointing_enable({"use_reentrant": False})
         if options.checkpoint_layers is not None:
-            for layer in layers[options.checkpoint_layers :]:
+            for layer in decoder_of(base).layers[options.checkpoint_layers :]:
                 layer.gradient_checkpointing = False
     if options.compile_layers:
-        for layer in layers:
+        for layer in decoder_of(base).layers:
             layer.compile(dynamic=True)
     return TrainableModel(peft_model, transform, router_aux_loss, fused, on_meta)
