@@ -12,6 +12,7 @@ with its name, never written wrong. The file appears atomically (written beside 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +24,20 @@ import torch
 
 @dataclass(frozen=True)
 class Family:
-    """How a ``transformers`` model type is written."""
+    """How a ``transformers`` model type is written: as llama.cpp's ``convert_hf_to_gguf.py`` writes it
+    (``tests/test_gguf_reference.py`` compares the two files key by key and byte by byte)."""
 
-    arch: str  # gguf.MODEL_ARCH member name
-    permute_qk: bool  # Llama-style rotary: q/k rows go back to the interleaved layout
+    arch: str
+    """``gguf.MODEL_ARCH`` member name."""
+    permute_qk: bool = False
+    """Llama-style rotary: q/k rows go back to the interleaved layout."""
+    llama_keys: bool = False
+    """The converter's Llama path: it writes ``vocab_size``, ``rope.dimension_count`` and
+    ``add_bos_token`` (others write the last only when the tokenizer's config sets it)."""
 
 
-SUPPORTED = {"llama": Family("LLAMA", permute_qk=True), "qwen2": Family("QWEN2", permute_qk=False)}
+LLAMA = Family("LLAMA", permute_qk=True, llama_keys=True)
+SUPPORTED = {"llama": LLAMA, "mistral": LLAMA, "qwen2": Family("QWEN2"), "qwen3": Family("QWEN3")}
 QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 TOKENIZER_PRE = {("llama", 49152): "smollm", ("llama", 128256): "llama-bpe", ("qwen2", 151936): "qwen2"}
 """llama.cpp's pre-tokenizer names for known vocabularies (``tokenizer_pre`` names any other)."""
@@ -50,15 +58,45 @@ def _check_supported(config: Any) -> Family:
             f"GGUF export supports {sorted(SUPPORTED)}, not {config.model_type!r}: its tensor layout "
             "and metadata would have to be checked against llama.cpp first"
         )
-    scaling = getattr(config, "rope_scaling", None) or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind != "default":
+    kind = _rope(config).get("rope_type", "default")
+    if kind != "default" and not (kind == "llama3" and family.llama_keys):
         raise ValueError(f"GGUF export does not write rope scaling {kind!r} yet (config.rope_scaling)")
     if getattr(config, "use_sliding_window", False):
         raise ValueError(
             "GGUF export does not write sliding-window attention yet (config.use_sliding_window)"
         )
     return family
+
+
+def _rope(config: Any) -> dict[str, Any]:
+    """The config's rope parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def rope_factors(config: Any) -> torch.Tensor:
+    """Llama 3's per-frequency rope scaling as llama.cpp stores it (``rope_freqs.weight``: what each
+    inverse frequency is divided by): 1 for wavelengths under the original context over
+    ``high_freq_factor``, ``factor`` past it over ``low_freq_factor``, smoothly in between; in double
+    precision from the float32 frequencies, as llama.cpp's converter computes it (the test checks
+    it against ``transformers``' own scaled frequencies too)."""
+    rope = _rope(config)
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    context = rope.get("original_max_position_embeddings", 8192)
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    theta = float(rope.get("rope_theta", 10000.0))
+    frequencies = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factors = []
+    for frequency in frequencies.tolist():
+        wavelength = 2 * math.pi / frequency
+        if wavelength < context / high:
+            factors.append(1.0)
+        elif wavelength > context / low:
+            factors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
 
 
 def _tensor_data(tensor: torch.Tensor, quant: str) -> tuple[np.ndarray, Any]:
@@ -77,7 +115,7 @@ def _tensor_data(tensor: torch.Tensor, quant: str) -> tuple[np.ndarray, Any]:
 
 
 def _tokenizer_fields(
-    writer: Any, tokenizer: Any, config: Any, pre: str | None, chat_template: str | None
+    writer: Any, tokenizer: Any, config: Any, pre: str | None, chat_template: str | None, add_bos: bool
 ) -> None:
     import gguf
 
@@ -120,10 +158,16 @@ def _tokenizer_fields(
     ):
         if value is not None:
             getattr(writer, f"add_{key}_token_id")(value)
-    writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
+    if add_bos or "add_bos_token" in getattr(tokenizer, "init_kwargs", {}):
+        writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
     template = chat_template or tokenizer.chat_template
     if template:
         writer.add_chat_template(template)
+
+
+def _parameter_count(model: Any, tied: bool) -> int:
+    """The parameters the file holds (a tied output head once), as ``general.size_label`` counts them."""
+    return sum(p.numel() for name, p in model.state_dict().items() if not (tied and name == "lm_head.weight"))
 
 
 def write_gguf(
@@ -148,31 +192,39 @@ def write_gguf(
     family = _check_supported(config)
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     out = Path(out)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial")
     writer = gguf.GGUFWriter(str(staging), gguf.MODEL_ARCH_NAMES[arch])
     try:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(name or out.stem)
+        writer.add_size_label(gguf.size_label(_parameter_count(model, tied), 0, 0, 0))
         writer.add_context_length(config.max_position_embeddings)
         writer.add_embedding_length(config.hidden_size)
         writer.add_block_count(config.num_hidden_layers)
         writer.add_feed_forward_length(config.intermediate_size)
         writer.add_head_count(heads)
         writer.add_head_count_kv(kv_heads)
-        writer.add_rope_dimension_count(head_dim)
+        if family.llama_keys:
+            writer.add_rope_dimension_count(head_dim)
+            writer.add_vocab_size(config.vocab_size)
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        theta = getattr(config, "rope_theta", None) or (config.rope_parameters or {}).get(
-            "rope_theta", 10000.0
-        )
+        if getattr(config, "head_dim", None) is not None:  # as llama.cpp's converter: whenever set
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        theta = getattr(config, "rope_theta", None) or _rope(config).get("rope_theta", 10000.0)
         writer.add_rope_freq_base(float(theta))
-        writer.add_vocab_size(config.vocab_size)
         file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
         writer.add_file_type(getattr(gguf.LlamaFileType, file_type.get(quant, "MOSTLY_Q4_0")))
-        _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template, family.llama_keys)
         names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if _rope(config).get("rope_type") == "llama3":
+            rope_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+            writer.add_tensor(rope_name, rope_factors(config).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
         for hf_name, tensor in model.state_dict().items():
             if tied and hf_name == "lm_head.weight":
                 continue  # llama.cpp reuses the token embedding
