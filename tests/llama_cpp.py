@@ -88,7 +88,9 @@ def contents(path: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...
     import gguf
 
     reader = gguf.GGUFReader(path)
-    metadata = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    metadata = {
+        name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")
+    }
     tensors = {
         t.name: (tuple(int(n) for n in t.shape), t.tensor_type.name, np.array(t.data)) for t in reader.tensors
     }

