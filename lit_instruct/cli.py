@@ -6,6 +6,7 @@ import argparse
 import sys
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -18,6 +19,7 @@ from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
+from lit_instruct.io import saved_chat_template
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.module import InstructLoRAModule
@@ -203,6 +205,18 @@ def prepare_main(argv: list[str]) -> None:
     sys.stdout.write(f"{args.model}: {path}\n")
 
 
+TEMPLATE_HELP = (
+    "chat template: Jinja text, a .jinja file, or 'alpaca' (default: the one saved with the adapter "
+    "at training, else the tokenizer's)"
+)
+
+
+def template_argument(value: str) -> str:
+    """A ``--chat-template`` value: a file's contents when it names a file, else the value itself."""
+    path = Path(value)
+    return path.read_text(encoding="utf-8") if len(value) < 4096 and path.is_file() else value
+
+
 def export_main(argv: list[str]) -> None:
     """``lit-instruct export``: a clean PEFT adapter folder, a standalone model (``--merge``), or one
     GGUF file for llama.cpp / Ollama / LM Studio (``--gguf``, with ``--ollama`` a Modelfile beside it)."""
@@ -217,14 +231,17 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile beside it")
     parser.add_argument("--tokenizer-pre", help="llama.cpp's pre-tokenizer name, for an unknown vocabulary")
     parser.add_argument("--base", help="base model (default: the adapter's base_model_name_or_path)")
+    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
     if args.gguf:
         from lit_instruct.export.gguf import export_gguf
 
-        out = export_gguf(args.adapter, args.out, args.quant, args.base, args.tokenizer_pre, args.ollama)
+        out = export_gguf(
+            args.adapter, args.out, args.quant, args.base, args.tokenizer_pre, args.ollama, args.chat_template
+        )
         sys.stdout.write(f"GGUF ({args.quant}) written to {out}\n")
         if args.ollama:
-            modelfile = out.with_name("Modelfile")
+            modelfile = out.with_name(f"{out.stem}.Modelfile")
             sys.stdout.write(f"Modelfile written to {modelfile}: ollama create NAME -f {modelfile}\n")
         return
     if args.ollama:
@@ -251,6 +268,7 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
     model, tokenizer = load_for_generation(args.model, args.adapter)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -265,6 +283,7 @@ def generate_main(argv: list[str]) -> None:
         temperature=args.temperature,
         top_p=args.top_p,
         streamer=streamer,
+        chat_template=args.chat_template or saved_chat_template(args.adapter),
     )
 
 
@@ -279,10 +298,11 @@ def eval_main(argv: list[str]) -> None:
     parser.add_argument("--base", action="store_true", help="also measure the base model, side by side")
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--chat-template", help="Jinja template or 'alpaca' (as in training)")
+    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     parser.add_argument("--answers", help="write each record's prompt, reference and answer to this JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
+    args.chat_template = args.chat_template or saved_chat_template(args.adapter)
     module = load_adapter_module(args.adapter, args.model)  # once, for the numbers and the answers
     results = evaluate(module, args.data, args.base, args.max_seq_len, args.batch_size, args.chat_template)
     names = sorted({k for metrics in results.values() for k in metrics if k.startswith("val/loss")})
@@ -309,8 +329,9 @@ def chat_main(argv: list[str]) -> None:
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
-    parser.add_argument("--chat-template", help="Jinja template or 'alpaca' (as in training)")
+    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
+    args.chat_template = args.chat_template or saved_chat_template(args.adapter)
     model, tokenizer = load_for_generation(args.model, args.adapter)
     context = args.context_length or getattr(model.config, "max_position_embeddings", 2048)
     session = ChatSession(model, tokenizer, context, args.max_new_tokens, args.chat_template, args.system)

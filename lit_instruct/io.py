@@ -1,5 +1,5 @@
 """Where a run writes, and writes that never leave a half-written result: a folder or a file appears
-whole, or not at all."""
+whole, or not at all; the adapter folder training writes (weights, config, chat template)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ def log_dir(trainer: Any) -> Path:
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+"""The chat template an adapter was trained with, beside it (the name ``transformers`` uses)."""
 
 
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -69,12 +71,26 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
             raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf; refusing to write it")
 
 
-def save_adapter(peft_model: Any, target: str | Path, state_dict: dict[str, Any] | None = None) -> Path:
+def save_adapter(
+    peft_model: Any,
+    target: str | Path,
+    state_dict: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+) -> Path:
     """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
-    ``state_dict`` when given (whole tensors gathered from a sharded model)."""
+    ``state_dict`` when given (whole tensors gathered from a sharded model), and the ``chat_template``
+    it was trained with (``chat_template.jinja``), which generation and export then use by default."""
     from peft import get_peft_model_state_dict
 
     check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
     with atomic_directory(target) as staging:
         peft_model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+        if chat_template is not None:
+            (staging / CHAT_TEMPLATE).write_text(chat_template, encoding="utf-8")
     return Path(target)
+
+
+def saved_chat_template(adapter: str | Path | None) -> str | None:
+    """The chat template saved with ``adapter`` (``None`` without an adapter or a saved template)."""
+    path = Path(adapter) / CHAT_TEMPLATE if adapter else None
+    return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None

@@ -167,10 +167,47 @@ def test_the_bundled_model_exports_to_gguf_and_ollama(smollm2_path, tmp_path) ->
             [sys.executable, "-m", "lit_instruct", *args], capture_output=True, text=True, check=False
         )
         assert done.returncode == 0, done.stderr[-2000:]
-        assert (out.parent / "Modelfile").is_file()
+        assert (out.parent / "smollm2.Modelfile").is_file()
         back = AutoModelForCausalLM.from_pretrained(out.parent, gguf_file=out.name).eval()
         with torch.no_grad():
             got = back(ids).logits
         scale = float(expected.abs().max())
         assert float((got - expected).abs().max()) / scale <= TOLERANCE[quant][0]
         assert float((got.argmax(-1) == expected.argmax(-1)).float().mean()) >= TOLERANCE[quant][1]
+
+
+def test_q4_0_keeps_the_tied_output_embedding_at_q8_0(tiny_model_dir, tokenizer, tmp_path) -> None:
+    """As llama.cpp's quantizer: the output head (here the token embedding it is tied to) at Q8_0."""
+    from tests.llama_cpp import contents
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    _, tensors = contents(write_gguf(model, tokenizer, tmp_path / "m.gguf", "q4_0"))
+    kinds = {name: kind for name, (_, kind, _) in tensors.items()}
+    assert kinds.pop("token_embd.weight") == "Q8_0"
+    assert {kind for name, kind in kinds.items() if not name.endswith("norm.weight")} == {"Q4_0"}
+
+
+def test_an_adapter_exports_the_template_it_was_trained_with(tiny_model_dir, chat_file, tmp_path) -> None:
+    """Trained with ``data.chat_template: alpaca``: the adapter folder keeps it, and the GGUF carries it
+    (not the tokenizer's ChatML) unless ``chat_template`` overrides it."""
+    from lit_instruct.data.datamodule import InstructDataModule
+    from lit_instruct.data.templates import BUILTIN_TEMPLATES
+    from lit_instruct.export.gguf import export_gguf
+    from tests.helpers import make, trainer
+    from tests.llama_cpp import contents
+
+    module, _ = make(tiny_model_dir, chat_file)
+    data = InstructDataModule(
+        tokenizer=str(tiny_model_dir), train_files=[str(chat_file)], val_fraction=0.0, batch_size=2,
+        chat_template="alpaca", cache=False,
+    )  # fmt: skip
+    module.hparams["adapter_dir"] = str(tmp_path / "run" / "adapter")
+    trainer(tmp_path, max_steps=1, limit_val_batches=0).fit(module, datamodule=data)
+    adapter = tmp_path / "run" / "adapter"
+    assert (adapter / "chat_template.jinja").read_text() == BUILTIN_TEMPLATES["alpaca"]
+    metadata, _ = contents(export_gguf(adapter, tmp_path / "alpaca.gguf", "f32"))
+    assert metadata["tokenizer.chat_template"] == BUILTIN_TEMPLATES["alpaca"]
+    assert metadata["general.name"] == f"{tiny_model_dir.name}-run"
+    custom = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    metadata, _ = contents(export_gguf(adapter, tmp_path / "custom.gguf", "f32", chat_template=custom))
+    assert metadata["tokenizer.chat_template"] == custom

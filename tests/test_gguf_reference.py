@@ -1,5 +1,5 @@
 """Our GGUF files equal llama.cpp's own converter's, key by key and byte by byte, for every family we
-write (tiny random models with SmolLM2's vocabulary), and our LoRA GGUF equals ``convert_lora_to_gguf.py``'s."""
+write (tiny random models with SmolLM2's vocabulary)."""
 
 from __future__ import annotations
 

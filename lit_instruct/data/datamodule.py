@@ -18,6 +18,7 @@ from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
+from lit_instruct.data.templates import resolve_chat_template
 from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 from lit_instruct.io import log_dir
@@ -272,6 +273,17 @@ class InstructDataModule(L.LightningDataModule):
             rank_zero_info("lit-instruct data [train]: streamed (read and rendered while training)")
         elif not len(prepared.train) and stage in ("fit", None):
             raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
+
+    def training_chat_template(self) -> str | None:
+        """The chat template the training sources are rendered with, when they share one (``None``
+        when sources set different ones, or with ``train_on: all`` plain-text data only)."""
+        tokenizer = self.load_tokenizer()
+        chosen = {source.chat_template or self.settings.chat_template for source in self.sources}
+        try:
+            templates = {resolve_chat_template(tokenizer, override) for override in chosen}
+        except ValueError:  # no template anywhere (plain-text data): nothing to remember
+            return None
+        return templates.pop() if len(templates) == 1 else None
 
     def model_vocab_size(self) -> int | None:
         """Embedding rows of the model whose folder holds the tokenizer (``None`` without a config)."""

@@ -119,15 +119,20 @@ def rope_factors(config: Any) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
-def _tensor_data(tensor: torch.Tensor, quant: str) -> tuple[np.ndarray, Any]:
+def _tensor_data(tensor: torch.Tensor, quant: str, output: bool = False) -> tuple[np.ndarray, Any]:
     """The bytes to store and their GGML type: 1-D tensors F32, matrices in ``quant`` (a row length
-    that is not a multiple of the 32-value block falls back to F16)."""
+    that is not a multiple of the 32-value block falls back to F16). Under ``q4_0`` the output head
+    (``output``: or the token embedding it is tied to) is stored as ``q8_0``, as llama.cpp's
+    quantizer does for rows that are not a multiple of 256 (for the others it picks Q6_K, which
+    ``gguf`` cannot write: Q8_0, more precise, stands in)."""
     import gguf
 
     data = tensor.detach().to(torch.float32).cpu().numpy()
     types = gguf.GGMLQuantizationType
     if data.ndim == 1 or quant == "f32":
         return data, types.F32
+    if quant == "q4_0" and output:
+        quant = "q8_0"
     if quant == "f16" or (quant in ("q8_0", "q4_0") and data.shape[-1] % 32):
         return data.astype(np.float16), types.F16
     qtype = {"bf16": types.BF16, "q8_0": types.Q8_0, "q4_0": types.Q4_0}[quant]
@@ -190,8 +195,71 @@ def _tokenizer_fields(
         writer.add_chat_template(template)
 
 
-def _parameter_count(model: Any, tied: bool) -> int:
+def _write_metadata(writer: Any, model: Any, family: Family, quant: str, name: str) -> None:
+    """The model's metadata: the keys llama.cpp's converter writes for the family."""
+    import gguf
+
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(name)
+    writer.add_size_label(gguf.size_label(_parameter_count(model), 0, 0, 0))
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    if family.llama_keys:
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_vocab_size(config.vocab_size)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "head_dim", None) is not None:  # as llama.cpp's converter: whenever set
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    theta = getattr(config, "rope_theta", None) or _rope(config).get("rope_theta", 10000.0)
+    writer.add_rope_freq_base(float(theta))
+    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type.get(quant, "MOSTLY_Q4_0")))
+    if family.metadata is not None:
+        family.metadata(writer, config)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_tensors(writer: Any, model: Any, family: Family, quant: str) -> None:
+    """Every tensor under its GGUF name, in llama.cpp's layout and the storage type of ``quant``."""
+    import gguf
+
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    tied = _tied(config)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.arch], config.num_hidden_layers)
+    if _rope(config).get("rope_type") == "llama3":
+        rope_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        writer.add_tensor(rope_name, rope_factors(config).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # llama.cpp reuses the token embedding
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for tensor {hf_name!r} of {config.model_type}")
+        if family.permute_qk and hf_name.endswith("q_proj.weight"):
+            tensor = permute_rotary(tensor, heads)
+        elif family.permute_qk and hf_name.endswith("k_proj.weight"):
+            tensor = permute_rotary(tensor, kv_heads)
+        output = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
+        data, qtype = _tensor_data(tensor, quant, output)
+        writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+
+
+def _tied(config: Any) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def _parameter_count(model: Any) -> int:
     """The parameters the file holds (a tied output head once), as ``general.size_label`` counts them."""
+    tied = _tied(model.config)
     return sum(p.numel() for name, p in model.state_dict().items() if not (tied and name == "lm_head.weight"))
 
 
@@ -217,55 +285,13 @@ def write_gguf(
     family = _check_supported(config)
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     out = Path(out)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial")
     writer = gguf.GGUFWriter(str(staging), gguf.MODEL_ARCH_NAMES[arch])
     try:
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(name or out.stem)
-        writer.add_size_label(gguf.size_label(_parameter_count(model, tied), 0, 0, 0))
-        writer.add_context_length(config.max_position_embeddings)
-        writer.add_embedding_length(config.hidden_size)
-        writer.add_block_count(config.num_hidden_layers)
-        writer.add_feed_forward_length(config.intermediate_size)
-        writer.add_head_count(heads)
-        writer.add_head_count_kv(kv_heads)
-        if family.llama_keys:
-            writer.add_rope_dimension_count(head_dim)
-            writer.add_vocab_size(config.vocab_size)
-        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-        if getattr(config, "head_dim", None) is not None:  # as llama.cpp's converter: whenever set
-            writer.add_key_length(head_dim)
-            writer.add_value_length(head_dim)
-        theta = getattr(config, "rope_theta", None) or _rope(config).get("rope_theta", 10000.0)
-        writer.add_rope_freq_base(float(theta))
-        file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
-        writer.add_file_type(getattr(gguf.LlamaFileType, file_type.get(quant, "MOSTLY_Q4_0")))
-        if family.metadata is not None:
-            family.metadata(writer, config)
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        _write_metadata(writer, model, family, quant, name or out.stem)
         _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template, family.llama_keys)
-        names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-        if _rope(config).get("rope_type") == "llama3":
-            rope_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
-            writer.add_tensor(
-                rope_name, rope_factors(config).numpy(), raw_dtype=gguf.GGMLQuantizationType.F32
-            )
-        for hf_name, tensor in model.state_dict().items():
-            if tied and hf_name == "lm_head.weight":
-                continue  # llama.cpp reuses the token embedding
-            gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if gguf_name is None:
-                raise ValueError(f"no GGUF name for tensor {hf_name!r} of {config.model_type}")
-            if family.permute_qk and hf_name.endswith("q_proj.weight"):
-                tensor = permute_rotary(tensor, heads)
-            elif family.permute_qk and hf_name.endswith("k_proj.weight"):
-                tensor = permute_rotary(tensor, kv_heads)
-            data, qtype = _tensor_data(tensor, quant)
-            writer.add_tensor(gguf_name, data, raw_dtype=qtype)
+        _write_tensors(writer, model, family, quant)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -285,17 +311,26 @@ def export_gguf(
     base: str | None = None,
     tokenizer_pre: str | None = None,
     ollama: bool = False,
+    chat_template: str | None = None,
 ) -> Path:
-    """Merge ``adapter`` into its full-precision base and write the GGUF file ``out``; with ``ollama``
-    also a ``Modelfile`` beside it (:func:`lit_instruct.export.ollama.write_modelfile`)."""
-    from lit_instruct.export.adapter import merged_model
+    """Merge ``adapter`` into its full-precision base and write the GGUF file ``out`` with the chat
+    template it was trained with (``chat_template`` overrides it: Jinja or a built-in name); with
+    ``ollama`` also ``<out stem>.Modelfile`` beside it (:func:`lit_instruct.export.ollama.write_modelfile`).
+    ``general.name`` is the base's name and the adapter's (its run folder's when it is named ``adapter``)."""
+    from lit_instruct.data.templates import resolve_chat_template
+    from lit_instruct.export.adapter import adapter_base, merged_model
     from lit_instruct.export.ollama import ollama_format, write_modelfile
+    from lit_instruct.io import saved_chat_template
 
     model, tokenizer = merged_model(adapter, base)
     _check_supported(model.config)  # refusals before any writing
+    template = resolve_chat_template(tokenizer, chat_template or saved_chat_template(adapter))
     if ollama:
-        ollama_format(tokenizer)
-    written = write_gguf(model, tokenizer, out, quant, tokenizer_pre=tokenizer_pre, name=Path(adapter).name)
+        ollama_format(tokenizer, template)
+    folder = Path(adapter).resolve()
+    label = folder.parent.name if folder.name == "adapter" else folder.name
+    name = f"{Path(adapter_base(adapter, base)).name}-{label}"
+    written = write_gguf(model, tokenizer, out, quant, template, tokenizer_pre, name)
     if ollama:
-        write_modelfile(written, tokenizer)
+        write_modelfile(written, tokenizer, template)
     return written

@@ -93,12 +93,13 @@ def ollama_format(tokenizer: Any, chat_template: str | None = None) -> tuple[Oll
 
 
 def write_modelfile(gguf_file: str | Path, tokenizer: Any, chat_template: str | None = None) -> Path:
-    """Write ``Modelfile`` next to ``gguf_file`` (FROM, TEMPLATE, PARAMETER stop, SYSTEM)."""
+    """Write ``<gguf stem>.Modelfile`` next to ``gguf_file`` (FROM, TEMPLATE, PARAMETER stop, SYSTEM):
+    one per GGUF, so exports into one folder keep theirs."""
     gguf_file = Path(gguf_file)
     fmt, system = ollama_format(tokenizer, chat_template)
     lines = [f"FROM ./{gguf_file.name}", f'TEMPLATE """{fmt.template}"""', f'PARAMETER stop "{fmt.stop}"']
     if system:
         lines.append(f'SYSTEM """{system}"""')
-    path = gguf_file.with_name("Modelfile")
+    path = gguf_file.with_name(f"{gguf_file.stem}.Modelfile")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path

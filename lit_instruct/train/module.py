@@ -383,8 +383,11 @@ class InstructLoRAModule(L.LightningModule):
         return log_dir(self.trainer) / "adapter"
 
     def on_fit_end(self) -> None:
-        """Write the PEFT adapter (rank 0, atomically)."""
+        """Write the PEFT adapter (rank 0, atomically), with the chat template the data was rendered
+        with (an :class:`InstructDataModule`'s ``training_chat_template``)."""
         path = self.adapter_path()  # on every rank: the log directory is broadcast from rank 0
         state = gathered_trainable_state(self.model) if self._sharded else None  # collective
         if self.trainer.is_global_zero:
-            self.saved_adapter = save_adapter(self.model, path, state)
+            template_of = getattr(getattr(self.trainer, "datamodule", None), "training_chat_template", None)
+            template = template_of() if callable(template_of) else None
+            self.saved_adapter = save_adapter(self.model, path, state, template)
