@@ -218,8 +218,9 @@ def template_argument(value: str) -> str:
 
 
 def export_main(argv: list[str]) -> None:
-    """``lit-instruct export``: a clean PEFT adapter folder, a standalone model (``--merge``), or one
-    GGUF file for llama.cpp / Ollama / LM Studio (``--gguf``, with ``--ollama`` a Modelfile beside it)."""
+    """``lit-instruct export``: a clean PEFT adapter folder, a standalone model (``--merge``), one
+    GGUF file for llama.cpp / Ollama / LM Studio (``--gguf``, with ``--ollama`` a Modelfile beside it),
+    or the adapter alone as a GGUF LoRA file for its base's GGUF (``--gguf-adapter``)."""
     from lit_instruct.export.adapter import export_adapter, merge_adapter
 
     parser = argparse.ArgumentParser(prog="lit-instruct export", description=export_main.__doc__)
@@ -227,19 +228,36 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="output folder, or .gguf file (replaced atomically)")
     parser.add_argument("--merge", action="store_true", help="merge into a full-precision copy of the base")
     parser.add_argument("--gguf", action="store_true", help="merge and write one GGUF file")
-    parser.add_argument("--quant", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    parser.add_argument(
+        "--gguf-adapter",
+        action="store_true",
+        help="write the adapter alone as a GGUF LoRA file (llama.cpp --lora)",
+    )
+    parser.add_argument(
+        "--quant",
+        choices=["f32", "f16", "bf16", "q8_0", "q4_0"],
+        help="default: f16 (--gguf), f32 (--gguf-adapter)",
+    )
     parser.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile beside it")
     parser.add_argument("--tokenizer-pre", help="llama.cpp's pre-tokenizer name, for an unknown vocabulary")
     parser.add_argument("--base", help="base model (default: the adapter's base_model_name_or_path)")
     parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
+    if args.gguf_adapter:
+        from lit_instruct.export.gguf_lora import write_lora_gguf
+
+        quant = args.quant or "f32"
+        out = write_lora_gguf(args.adapter, args.out, quant, args.base)
+        sys.stdout.write(f"GGUF LoRA ({quant}) written to {out}: llama-cli -m BASE.gguf --lora {out}\n")
+        return
     if args.gguf:
         from lit_instruct.export.gguf import export_gguf
 
+        quant = args.quant or "f16"
         out = export_gguf(
-            args.adapter, args.out, args.quant, args.base, args.tokenizer_pre, args.ollama, args.chat_template
+            args.adapter, args.out, quant, args.base, args.tokenizer_pre, args.ollama, args.chat_template
         )
-        sys.stdout.write(f"GGUF ({args.quant}) written to {out}\n")
+        sys.stdout.write(f"GGUF ({quant}) written to {out}\n")
         if args.ollama:
             modelfile = out.with_name(f"{out.stem}.Modelfile")
             sys.stdout.write(f"Modelfile written to {modelfile}: ollama create NAME -f {modelfile}\n")

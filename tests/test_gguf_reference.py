@@ -3,6 +3,7 @@ write (tiny random models with SmolLM2's vocabulary)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,72 @@ def test_llama3_rope_factors_match_transformers_own_scaled_frequencies() -> None
     plain = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
     torch.testing.assert_close(rope_factors(config), plain / scaled)
     assert rope_factors(config).max() == 8.0 and rope_factors(config).min() == 1.0
+
+
+MODEL_CARD_KEYS = {"general.name", "general.tags"} | {
+    f"general.base_model.{key}" for key in ("count", "0.name", "0.repo_url", "0.organization")
+}
+"""What the converter reads off the model card peft writes beside the adapter (ours names the adapter)."""
+
+
+def trained_adapter(base: Path, folder: Path, **lora) -> Path:
+    """An adapter on ``base`` with non-zero B matrices, saved as training saves it."""
+    from lit_instruct.io import save_adapter
+    from lit_instruct.models.load import load_base_model
+    from lit_instruct.models.lora import LoRAConfig, attach_lora
+
+    torch.manual_seed(0)
+    model = attach_lora(load_base_model(str(base)), LoRAConfig(**{"r": 4, "alpha": 8, **lora}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    return save_adapter(model, folder)
+
+
+@pytest.mark.parametrize(("name", "quant"), [("llama", "f32"), ("llama", "q8_0"), ("phi3", "f16")])
+def test_our_lora_gguf_equals_llama_cpps_lora_converter(name, quant, tokenizer, tmp_path) -> None:
+    from lit_instruct.export.gguf_lora import write_lora_gguf
+    from tests.llama_cpp import convert_lora
+
+    base = tiny_model(name, tokenizer, tmp_path / "model")
+    adapter = trained_adapter(base, tmp_path / "adapter")
+    theirs = convert_lora(adapter, base, tmp_path / "theirs.gguf", quant)
+    ours = write_lora_gguf(adapter, tmp_path / "ours.gguf", quant)
+    assert differences(ours, theirs, MODEL_CARD_KEYS) == []
+
+
+def test_an_rslora_adapter_on_the_base_gguf_gives_the_merged_gguf(tokenizer, tmp_path) -> None:
+    """llama.cpp adds ``alpha / r * B @ A`` to each base weight: with our alpha that is the merge peft
+    itself computes (rsLoRA's ``alpha / sqrt(r)`` included), tensor by tensor in the GGUF layout."""
+    from lit_instruct.export.adapter import merged_model
+    from lit_instruct.export.gguf_lora import write_lora_gguf
+    from tests.llama_cpp import contents
+
+    base = tiny_model("llama", tokenizer, tmp_path / "model")
+    adapter = trained_adapter(base, tmp_path / "adapter", use_rslora=True)
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    _, base_tensors = contents(write_gguf(base_model, tokenizer, tmp_path / "base.gguf", "f32"))
+    merged, _ = merged_model(adapter)
+    _, merged_tensors = contents(write_gguf(merged, tokenizer, tmp_path / "merged.gguf", "f32"))
+    metadata, lora = contents(write_lora_gguf(adapter, tmp_path / "lora.gguf"))
+    scale = float(metadata["adapter.lora.alpha"]) / 4
+    assert scale == pytest.approx(8 / 4**0.5)  # rsLoRA: alpha / sqrt(r), not alpha / r
+    adapted = [name.removesuffix(".lora_a") for name in lora if name.endswith(".lora_a")]
+    assert len(adapted) == 14  # 7 linear layers x 2 decoder layers
+    for name in adapted:
+        a, b = (torch.from_numpy(lora[f"{name}.lora_{x}"][2]) for x in "ab")
+        expected = torch.from_numpy(base_tensors[name][2]) + scale * b @ a
+        torch.testing.assert_close(expected, torch.from_numpy(merged_tensors[name][2]), rtol=1e-5, atol=1e-6)
+
+
+def test_what_a_gguf_lora_cannot_hold_is_refused(tokenizer, tmp_path) -> None:
+    from lit_instruct.export.gguf_lora import write_lora_gguf
+
+    base = tiny_model("llama", tokenizer, tmp_path / "model")
+    adapter = trained_adapter(base, tmp_path / "adapter")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA"):
+        write_lora_gguf(adapter, tmp_path / "lora.gguf")
+    assert not (tmp_path / "lora.gguf").exists()
