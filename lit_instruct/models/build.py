@@ -9,6 +9,7 @@ first runs on the model the earlier steps built. A rank that builds on the meta 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,12 @@ from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.four_bit import check_training_layout
 from lit_instruct.models.fused_lora import FusedLayers, fuse_lora
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig, load_base_model
-from lit_instruct.models.lora import LoRAConfig, attach_lora
+from lit_instruct.models.lora import LoRAConfig, attach_lora, load_lora
 from lit_instruct.models.moe import RouterAuxLoss
 from lit_instruct.models.output_head import output_head
 from lit_instruct.models.packing import enable_packing
+
+logger = logging.getLogger("lit_instruct")
 
 
 @dataclass
@@ -39,6 +42,8 @@ class ModelOptions:
     gradient_checkpointing: bool = False
     checkpoint_layers: int | None = None
     compile_layers: bool = False
+    adapter: str | None = None
+    """A PEFT adapter folder to start from (its own LoRA settings) instead of fresh adapters."""
 
 
 @dataclass
@@ -85,9 +90,14 @@ def build_trainable_model(
         enable_packing(base, check=not on_meta)  # rank 0 checks the same model with its weights
     transform = output_head(base, verify=not on_meta).transform  # rank 0 verifies it
     router_aux_loss = RouterAuxLoss.of(base)
-    peft_model = attach_lora(base, lora, probe=not low_memory_ranks)  # the same on every rank
+    if options.adapter is not None:
+        peft_model = load_lora(base, options.adapter)
+    else:
+        peft_model = attach_lora(base, lora, probe=not low_memory_ranks)  # the same on every rank
     peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
     fused = fuse_lora(peft_model, check=not on_meta) if options.fuse_lora else None
+    if fused is not None and lora.use_dora:
+        logger.info("fused LoRA: the DoRA layers run peft's own forward (their fused form is not written)")
     if quantization.method != "none":  # the build checks above ran eval forwards on it
         check_training_layout(peft_model, getattr(torch, quantization.compute_dtype))
     if options.gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from lit_instruct.models.lora_targets import check_coverage, lora_targets
+from lit_instruct.models.lora_targets import LoRATargets, check_coverage, lora_targets
+
+LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+"""The decoder-layer index in a module name, as peft's ``layers_to_transform`` reads it."""
 
 
 @dataclass
@@ -28,9 +35,49 @@ class LoRAConfig:
     weights of MoE layers."""
     use_rslora: bool = False
     """Rank-stabilized LoRA scaling (alpha / sqrt(r))."""
+    use_dora: bool = False
+    """DoRA: a trained magnitude per output row on top of the low-rank direction (peft's ``use_dora``;
+    its layers run peft's own forward, not the fused LoRA layers)."""
+    init: str = "default"
+    """Adapter initialisation: ``default`` (peft's: A Kaiming-uniform, B zero) or ``gaussian`` (A
+    normal with std 1/r). PiSSA, OLoRA, EVA and LoftQ are refused: they rewrite the base weights, and
+    the adapter they save only fits that rewritten base until converted back (not implemented yet)."""
+    layers_to_transform: list[int] | None = None
+    """Only these decoder layers (by index) get adapters."""
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    """Ranks other than ``r`` for the modules whose names match these keys (peft's regex keys)."""
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    """Alphas other than ``alpha`` for the modules whose names match these keys."""
+    loraplus_lr_ratio: float | None = None
+    """LoRA+: the B matrices (and 1-D adapter weights such as DoRA's magnitudes) learn at this many
+    times the learning rate, as peft's ``create_loraplus_optimizer`` groups them."""
     allow_partial: bool = False
     """Train even when peft could not put an adapter on every module asked for (they are named in
     the coverage line); otherwise that is an error at build."""
+
+
+INITS = ("default", "gaussian")
+REFUSED_INITS = {
+    name: "rewrites the base weights (W - BA), and the adapter it saves fits only that rewritten base "
+    "until converted back to plain LoRA, which lit-instruct does not do yet: use default or gaussian"
+    for name in ("pissa", "olora", "loftq", "corda")
+} | {"eva": "needs a pass over the training data at build, which lit-instruct does not do yet"}
+
+
+def only_layers(targets: LoRATargets, layers: list[int]) -> LoRATargets:
+    """``targets`` within the decoder layers numbered ``layers`` (what peft's ``layers_to_transform``
+    adapts: names with a ``.<index>.`` layer component)."""
+    keep = {int(i) for i in layers}
+
+    def within(names: list[str]) -> list[str]:
+        return [n for n in names if (m := LAYER_INDEX.search(n)) and int(m.group(1)) in keep]
+
+    return replace(
+        targets,
+        modules=within(targets.modules),
+        parameters=within(targets.parameters),
+        by_weight=within(targets.by_weight),
+    )
 
 
 def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
@@ -43,8 +90,19 @@ def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
     """
     from peft import LoraConfig, get_peft_model
 
+    if lora.init not in INITS:
+        why = REFUSED_INITS.get(lora.init.split("_niter")[0], f"is not one of {INITS}")
+        raise ValueError(f"model.lora.init: {lora.init!r} {why}")
     targets = lora_targets(model, lora.target_modules, probe)
+    if lora.layers_to_transform is not None:
+        targets = only_layers(targets, lora.layers_to_transform)
     by_weight = targets.parameters + targets.by_weight
+    if by_weight and lora.use_dora:
+        raise ValueError(
+            f"model.lora.use_dora, but {by_weight[0]} (and {len(by_weight) - 1} more) is adapted through its "
+            "weight (expert weights, or layers peft would rename into them), which peft's DoRA cannot do: "
+            "name the dense layers in model.lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+        )
     if by_weight and lora.dropout:
         raise ValueError(
             f"model.lora.dropout is {lora.dropout}, but {by_weight[0]} (and {len(by_weight) - 1} more) is "
@@ -58,6 +116,11 @@ def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
         target_modules=targets.peft_modules,
         target_parameters=targets.peft_parameters or None,
         use_rslora=lora.use_rslora,
+        use_dora=lora.use_dora,
+        init_lora_weights=True if lora.init == "default" else "gaussian",
+        layers_to_transform=lora.layers_to_transform,
+        rank_pattern=lora.rank_pattern,
+        alpha_pattern=lora.alpha_pattern,
         task_type="CAUSAL_LM",
         bias="none",
     )
@@ -66,3 +129,75 @@ def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
         peft_model: Any = get_peft_model(model, config)
     peft_model.lora_coverage = check_coverage(peft_model, targets, lora.allow_partial)
     return peft_model
+
+
+def load_lora(model: nn.Module, adapter: str | Path) -> Any:
+    """Wrap ``model`` in the PEFT adapter saved in ``adapter`` (ours or anyone's), trainable, as the
+    starting point of further training: its own settings (rank, alpha, targets, variant), every one of
+    its tensors loaded into a layer of the same shape.
+
+    Raises:
+        ValueError: when a saved tensor has no place in ``model`` (another base) or is not finite.
+    """
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from lit_instruct.io import ADAPTER_WEIGHTS, check_finite
+
+    folder = Path(adapter)
+    saved = load_file(folder / ADAPTER_WEIGHTS)
+    check_finite(saved, str(folder / ADAPTER_WEIGHTS))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            peft_model: Any = PeftModel.from_pretrained(model, folder, is_trainable=True)
+    except (RuntimeError, ValueError) as failure:  # size mismatch, target modules not found
+        raise ValueError(f"model.adapter {folder} does not fit this base model: {failure}") from failure
+    loaded = get_peft_model_state_dict(peft_model)
+    unplaced = sorted(set(saved) ^ set(loaded))
+    if unplaced:
+        raise ValueError(
+            f"model.adapter {folder}: {len(unplaced)} adapter tensors are not both saved and placed in this "
+            f"base model (e.g. {unplaced[0]}): an adapter of another base?"
+        )
+    for key, tensor in saved.items():
+        if not torch.equal(loaded[key].cpu().to(tensor.dtype), tensor):
+            raise ValueError(f"model.adapter {folder}: {key} did not load as saved")
+    return peft_model
+
+
+def lora_config_of(adapter: str | Path) -> LoRAConfig:
+    """The :class:`LoRAConfig` an adapter folder was saved with (what checkpoints record)."""
+    saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    targets = saved.get("target_modules") or []
+    return LoRAConfig(
+        r=saved["r"],
+        alpha=saved["lora_alpha"],
+        dropout=saved.get("lora_dropout", 0.0),
+        target_modules=sorted(targets) if isinstance(targets, list | set) else [targets],
+        use_rslora=saved.get("use_rslora", False),
+        use_dora=saved.get("use_dora", False),
+        layers_to_transform=saved.get("layers_to_transform"),
+        rank_pattern=saved.get("rank_pattern") or {},
+        alpha_pattern=saved.get("alpha_pattern") or {},
+    )
+
+
+STRUCTURE: tuple[str, ...] = ("r", "alpha", "dropout", "target_modules", "use_rslora", "use_dora")
+STRUCTURE += ("layers_to_transform", "rank_pattern", "alpha_pattern")
+"""The :class:`LoRAConfig` fields an adapter folder fixes."""
+
+
+def with_adapter_structure(asked: LoRAConfig, saved: LoRAConfig) -> LoRAConfig:
+    """``asked`` with the structure of the adapter it continues (``saved``); a structural field set
+    to something else than its default and the adapter's is an error."""
+    default = LoRAConfig()
+    for name in STRUCTURE:
+        mine, theirs = getattr(asked, name), getattr(saved, name)
+        same = set(mine) == set(theirs) if name == "target_modules" else mine == theirs
+        if mine != getattr(default, name) and not same:
+            raise ValueError(
+                f"model.lora.{name} is {mine!r}, but model.adapter was trained with {theirs!r}: the adapter "
+                f"fixes the LoRA structure; leave model.lora.{name} unset"
+            )
+    return replace(asked, **{name: getattr(saved, name) for name in STRUCTURE})

@@ -22,7 +22,7 @@ from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.models.build import ModelOptions, build_trainable_model
 from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
-from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model
 from lit_instruct.train.rng_states import RestoreRNGStates
@@ -58,8 +58,20 @@ def resolve_loss(loss: LossChoice | Callable | None) -> LossFn:
     return loss  # a callable with the loss signature, as documented
 
 
+def loraplus_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """LoRA+'s two parameter groups, as peft's ``create_loraplus_optimizer`` forms them: A matrices,
+    then B matrices with the 1-D adapter weights (DoRA's magnitudes)."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    fast = [p for name, p in named if "lora_B" in name or p.ndim == 1]
+    slow = [p for name, p in named if not ("lora_B" in name or p.ndim == 1)]
+    return [{"params": slow}, {"params": fast}]
+
+
 def adamw(
-    params: list[nn.Parameter], lr: float, betas: tuple[float, float], weight_decay: float
+    params: list[nn.Parameter] | list[dict[str, Any]],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
 ) -> torch.optim.AdamW:
     """AdamW over all adapter tensors at once (``foreach``): PyTorch's default loops over the
     tensors one by one (hundreds of adapter tensors; measured in the README's benchmark section)."""
@@ -119,6 +131,9 @@ class InstructLoRAModule(L.LightningModule):
             MLPs as fused autograd nodes (:mod:`lit_instruct.models.fused_lora`): the same adapters and
             results, fewer and smaller ops and saved activations; checked against PEFT's own
             forward at build time.
+        adapter: a PEFT adapter folder (ours or anyone's) to continue training from: its own LoRA
+            settings, every tensor loaded into a layer of the same shape (an adapter of another
+            base is an error); ``lora`` is then left unset.
     """
 
     def __init__(
@@ -143,9 +158,12 @@ class InstructLoRAModule(L.LightningModule):
         fuse_lora: bool = True,
         loss: LossChoice | Callable = "fused",  # Callable, not LossFn: jsonargparse then builds a class_path
         optimizer: OptimizerCallable | None = None,
+        adapter: str | None = None,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
+        if adapter is not None:  # the adapter brings its own structure; LoRA+ is the user's to set
+            self.lora_config = with_adapter_structure(self.lora_config, lora_config_of(adapter))
         if isinstance(quantization, dict):
             quantization = QuantizationConfig(**quantization)
         self.quantization = quantization or QuantizationConfig()
@@ -165,6 +183,7 @@ class InstructLoRAModule(L.LightningModule):
             gradient_checkpointing,
             checkpoint_layers,
             compile_layers,
+            adapter,
         )
         meta_ranks = low_memory_load and self.quantization.method == "none"
         built = build_trainable_model(
@@ -338,16 +357,24 @@ class InstructLoRAModule(L.LightningModule):
     # -- optimizer ------------------------------------------------------------------------------
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.parameters() if p.requires_grad]
-        hparams = self.hparams
+        """The optimizer over the adapter weights (LoRA+: B matrices in a group of their own at
+        ``loraplus_lr_ratio`` times the learning rate), on the warmup-cosine schedule."""
+        hparams, ratio = self.hparams, self.lora_config.loraplus_lr_ratio
+        groups = loraplus_groups(self.model) if ratio is not None else [{"params": self.adapter_parameters()}]
         if self.optimizer_factory is not None:  # its own learning rate is the peak of the schedule
-            optimizer = self.optimizer_factory(params)
+            optimizer = self.optimizer_factory(groups)
         else:
-            optimizer = adamw(params, hparams["learning_rate"], hparams["betas"], hparams["weight_decay"])
+            optimizer = adamw(groups, hparams["learning_rate"], hparams["betas"], hparams["weight_decay"])
+        if ratio is not None:
+            optimizer.param_groups[1]["lr"] = optimizer.param_groups[0]["lr"] * ratio
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = warmup_cosine(hparams["warmup_steps"], total, hparams["min_lr_ratio"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """The trained weights, in module order."""
+        return [p for p in self.parameters() if p.requires_grad]
 
     # -- checkpoints and the adapter ------------------------------------------------------------
 
