@@ -148,6 +148,8 @@ def test_an_adapter_of_another_base_is_refused(tiny_model_dir, tmp_path) -> None
     save_adapter(InstructLoRAModule(model=str(other), lora=LoRAConfig(r=4)).model, tmp_path / "adapter")
     with pytest.raises(ValueError, match=r"does not fit this base model|another base"):
         InstructLoRAModule(model=str(tiny_model_dir), adapter=str(tmp_path / "adapter"))
+    with pytest.raises(ValueError, match=r"model.lora.r is 8, but model.adapter was trained with 4"):
+        InstructLoRAModule(model=str(other), adapter=str(tmp_path / "adapter"), lora=LoRAConfig(r=8))
 
 
 class GradientsBeforeTheStep(L.Callback):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,21 +278,29 @@ def write_gguf(
     Raises:
         ValueError: for an unsupported family, rope scaling, sliding windows, tokenizer or ``quant``.
     """
-    import gguf
-
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant must be one of {QUANT_TYPES}, got {quant!r}")
     config = model.config
     family = _check_supported(config)
-    arch = getattr(gguf.MODEL_ARCH, family.arch)
+    with gguf_file(out, family) as writer:
+        _write_metadata(writer, model, family, quant, name or Path(out).stem)
+        _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template, family.llama_keys)
+        _write_tensors(writer, model, family, quant)
+    return Path(out)
+
+
+@contextmanager
+def gguf_file(out: str | Path, family: Family) -> Iterator[Any]:
+    """A ``gguf.GGUFWriter`` for ``family`` whose file appears at ``out`` whole (written beside it,
+    then renamed into place) once the block has added its metadata and tensors, or not at all."""
+    import gguf
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.partial")
-    writer = gguf.GGUFWriter(str(staging), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(staging), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[family.arch]])
     try:
-        _write_metadata(writer, model, family, quant, name or out.stem)
-        _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template, family.llama_keys)
-        _write_tensors(writer, model, family, quant)
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -301,7 +310,6 @@ def write_gguf(
         writer.close()
         staging.unlink(missing_ok=True)
         raise
-    return out
 
 
 def export_gguf(

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file
 
-from lit_instruct.export.gguf import Family, _check_supported, _tensor_data, permute_rotary
+from lit_instruct.export.gguf import Family, _check_supported, _tensor_data, gguf_file, permute_rotary
 from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_finite
 
 PREFIX = "base_model.model."
@@ -69,11 +68,7 @@ def write_lora_gguf(
     family = _check_supported(config)
     weights = load_file(adapter / ADAPTER_WEIGHTS)
     check_finite(weights, str(adapter / ADAPTER_WEIGHTS))
-    arch = gguf.MODEL_ARCH[family.arch]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.with_name(f".{out.name}.partial")
-    writer = gguf.GGUFWriter(str(staging), gguf.MODEL_ARCH_NAMES[arch])
-    try:
+    with gguf_file(out, family) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_name(adapter.resolve().name)
@@ -81,15 +76,6 @@ def write_lora_gguf(
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for name, data, qtype in _lora_tensors(weights, config, family, quant):
             writer.add_tensor(name, data, raw_dtype=qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(staging, out)
-    except BaseException:
-        writer.close()
-        staging.unlink(missing_ok=True)
-        raise
     return out
 
 
