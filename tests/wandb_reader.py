@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,17 @@ def history(path: Path) -> list[dict[str, Any]]:
         for record in records(path)
         if record.WhichOneof("record_type") == "history"
     ]
+
+
+def settled_history(path: Path, key: str, rows: int, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """:func:`history` once ``rows`` rows carry ``key``: W&B's service process writes the run file on its
+    own schedule, and under load the last records can land after ``finish()`` has returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = history(path)
+        if sum(key in row for row in found) >= rows or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
 
 
 def config(path: Path) -> dict[str, Any]:
