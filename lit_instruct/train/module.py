@@ -132,8 +132,9 @@ class InstructLoRAModule(L.LightningModule):
             results, fewer and smaller ops and saved activations; checked against PEFT's own
             forward at build time.
         adapter: a PEFT adapter folder (ours or anyone's) to continue training from: its own LoRA
-            settings, every tensor loaded into a layer of the same shape (an adapter of another
-            base is an error); ``lora`` is then left unset.
+            structure (rank, alpha, targets, variant), every tensor loaded into a layer of the same
+            shape (an adapter of another base is an error); ``lora``'s structural fields are left
+            unset or must agree, its ``loraplus_lr_ratio`` applies.
     """
 
     def __init__(
