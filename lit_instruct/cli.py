@@ -19,7 +19,7 @@ from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
-from lit_instruct.io import saved_chat_template
+from lit_instruct.io import adapter_chat_template
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.module import InstructLoRAModule
@@ -301,7 +301,7 @@ def generate_main(argv: list[str]) -> None:
         temperature=args.temperature,
         top_p=args.top_p,
         streamer=streamer,
-        chat_template=args.chat_template or saved_chat_template(args.adapter),
+        chat_template=adapter_chat_template(args.adapter, args.chat_template),
     )
 
 
@@ -320,7 +320,7 @@ def eval_main(argv: list[str]) -> None:
     parser.add_argument("--answers", help="write each record's prompt, reference and answer to this JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
-    args.chat_template = args.chat_template or saved_chat_template(args.adapter)
+    args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
     module = load_adapter_module(args.adapter, args.model)  # once, for the numbers and the answers
     results = evaluate(module, args.data, args.base, args.max_seq_len, args.batch_size, args.chat_template)
     names = sorted({k for metrics in results.values() for k in metrics if k.startswith("val/loss")})
@@ -349,7 +349,7 @@ def chat_main(argv: list[str]) -> None:
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
-    args.chat_template = args.chat_template or saved_chat_template(args.adapter)
+    args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
     model, tokenizer = load_for_generation(args.model, args.adapter)
     context = args.context_length or getattr(model.config, "max_position_embeddings", 2048)
     session = ChatSession(model, tokenizer, context, args.max_new_tokens, args.chat_template, args.system)

@@ -90,7 +90,10 @@ def save_adapter(
     return Path(target)
 
 
-def saved_chat_template(adapter: str | Path | None) -> str | None:
-    """The chat template saved with ``adapter`` (``None`` without an adapter or a saved template)."""
+def adapter_chat_template(adapter: str | Path | None, override: str | None = None) -> str | None:
+    """The chat template to use with ``adapter``: ``override`` when given, else the one saved with
+    the adapter at training (``None`` without either: the tokenizer's own then applies)."""
+    if override:
+        return override
     path = Path(adapter) / CHAT_TEMPLATE if adapter else None
     return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None

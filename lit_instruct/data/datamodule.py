@@ -276,9 +276,10 @@ class InstructDataModule(L.LightningDataModule):
 
     def training_chat_template(self) -> str | None:
         """The chat template the training sources are rendered with, when they share one (``None``
-        when sources set different ones, or with ``train_on: all`` plain-text data only)."""
+        when sources set different ones, or when there is none: no override and a tokenizer without
+        one, plain-text data)."""
         tokenizer = self.load_tokenizer()
-        chosen = {source.chat_template or self.settings.chat_template for source in self.sources}
+        chosen = {self.settings.template_for(source) for source in self.sources}
         try:
             templates = {resolve_chat_template(tokenizer, override) for override in chosen}
         except ValueError:  # no template anywhere (plain-text data): nothing to remember

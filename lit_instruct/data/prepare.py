@@ -46,6 +46,10 @@ class DataSettings:
     on_bad_record: BadRecordPolicy = "raise"
     on_long_sample: LongSamplePolicy = "truncate"
 
+    def template_for(self, source: DataSource) -> str | None:
+        """The chat template override ``source`` is rendered with: its own, else these settings'."""
+        return source.chat_template or self.chat_template
+
 
 @dataclass
 class PreparedData:
@@ -73,7 +77,7 @@ class TemplateRenderers:
         self.renderers: dict[str | None, ChatRenderer] = {}
 
     def __call__(self, source: DataSource) -> ChatRenderer:
-        template = source.chat_template or self.data.chat_template
+        template = self.data.template_for(source)
         if template not in self.renderers:
             self.renderers[template] = ChatRenderer(
                 self.tokenizer, self.data.max_seq_len, template, self.data.multi_turn, self.data.train_on

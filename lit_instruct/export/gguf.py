@@ -72,6 +72,23 @@ def permute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     )
 
 
+def head_counts(config: Any) -> tuple[int, int, int]:
+    """Attention heads, key/value heads and the head dimension (the config's ``head_dim`` when set)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, config.num_key_value_heads or heads, head_dim
+
+
+def llama_cpp_rows(tensor: torch.Tensor, layer: str, family: Family, config: Any) -> torch.Tensor:
+    """The output rows of the projection ``layer`` (a module name) in llama.cpp's layout: q/k rows
+    interleaved back for Llama-style rotary families, any other as it is. Applies to a weight and to
+    a LoRA B matrix alike (both have the layer's output rows)."""
+    if not family.permute_qk or not layer.endswith(("q_proj", "k_proj")):
+        return tensor
+    heads, kv_heads, _ = head_counts(config)
+    return permute_rotary(tensor, heads if layer.endswith("q_proj") else kv_heads)
+
+
 def _check_supported(config: Any) -> Family:
     family = SUPPORTED.get(config.model_type)
     if family is None:
@@ -103,8 +120,7 @@ def rope_factors(config: Any) -> torch.Tensor:
     rope = _rope(config)
     factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
     context = rope.get("original_max_position_embeddings", 8192)
-    heads = config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dim = head_counts(config)[2]
     theta = float(rope.get("rope_theta", 10000.0))
     frequencies = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factors = []
@@ -201,8 +217,7 @@ def _write_metadata(writer: Any, model: Any, family: Family, quant: str, name: s
     import gguf
 
     config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, head_dim = head_counts(config)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
     writer.add_size_label(gguf.size_label(_parameter_count(model), 0, 0, 0))
@@ -233,7 +248,6 @@ def _write_tensors(writer: Any, model: Any, family: Family, quant: str) -> None:
     import gguf
 
     config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     tied = _tied(config)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.arch], config.num_hidden_layers)
     if _rope(config).get("rope_type") == "llama3":
@@ -245,10 +259,8 @@ def _write_tensors(writer: Any, model: Any, family: Family, quant: str) -> None:
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for tensor {hf_name!r} of {config.model_type}")
-        if family.permute_qk and hf_name.endswith("q_proj.weight"):
-            tensor = permute_rotary(tensor, heads)
-        elif family.permute_qk and hf_name.endswith("k_proj.weight"):
-            tensor = permute_rotary(tensor, kv_heads)
+        if hf_name.endswith(".weight"):
+            tensor = llama_cpp_rows(tensor, hf_name.removesuffix(".weight"), family, config)
         output = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
         data, qtype = _tensor_data(tensor, quant, output)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
@@ -328,11 +340,11 @@ def export_gguf(
     from lit_instruct.data.templates import resolve_chat_template
     from lit_instruct.export.adapter import adapter_base, merged_model
     from lit_instruct.export.ollama import ollama_format, write_modelfile
-    from lit_instruct.io import saved_chat_template
+    from lit_instruct.io import adapter_chat_template
 
     model, tokenizer = merged_model(adapter, base)
     _check_supported(model.config)  # refusals before any writing
-    template = resolve_chat_template(tokenizer, chat_template or saved_chat_template(adapter))
+    template = resolve_chat_template(tokenizer, adapter_chat_template(adapter, chat_template))
     if ollama:
         ollama_format(tokenizer, template)
     folder = Path(adapter).resolve()

@@ -18,7 +18,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from lit_instruct.export.gguf import Family, _check_supported, _tensor_data, gguf_file, permute_rotary
+from lit_instruct.export.gguf import Family, _check_supported, _tensor_data, gguf_file, llama_cpp_rows
 from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_finite
 
 PREFIX = "base_model.model."
@@ -86,7 +86,6 @@ def _lora_tensors(
     import gguf
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[family.arch], config.num_hidden_layers)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     tensors = []
     for key, tensor in weights.items():
         stem, _, kind = key.removeprefix(PREFIX).rpartition(".lora_")
@@ -97,8 +96,8 @@ def _lora_tensors(
         gguf_name = names.get_name(f"{stem}.weight", try_suffixes=(".weight",))
         if gguf_name is None:
             raise ValueError(f"no GGUF name for the adapted layer {stem!r} of {config.model_type}")
-        if kind == "B.weight" and family.permute_qk and stem.endswith(("q_proj", "k_proj")):
-            tensor = permute_rotary(tensor, heads if stem.endswith("q_proj") else kv_heads)
+        if kind == "B.weight":  # B holds the layer's output rows; A its input columns
+            tensor = llama_cpp_rows(tensor, stem, family, config)
         data, qtype = _tensor_data(tensor, quant)
         tensors.append((f"{gguf_name}.lora_{kind[0].lower()}", data, qtype))
     return tensors
