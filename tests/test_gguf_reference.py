@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_instruct.export.gguf import SUPPORTED, rope_factors, write_gguf
 from tests.llama_cpp import convert, differences
+from tests.sentencepiece_vocab import sentencepiece_tokenizer
 
 BASE = {
     "vocab_size": 49152,
@@ -31,21 +32,32 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
-FAMILIES = {  # name: (config class, settings, tokenizer class written into tokenizer_config.json)
-    "llama": ("LlamaConfig", {}, None),
-    "llama-head-dim": ("LlamaConfig", {"head_dim": 32}, None),  # head_dim != hidden / heads
-    "llama-3.1": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE}, None),
-    "mistral": ("MistralConfig", {"sliding_window": None, "tie_word_embeddings": False}, None),
-    "qwen2": ("Qwen2Config", {}, None),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}, None),
-    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None}, "GPT2Tokenizer"),  # Phi-4's layout
+GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 16, "vocab_size": 408}  # 8 rows past the pieces
+PHI3_MINI = {"pad_token_id": 0, "eos_token_id": 2, "sliding_window": 63, "vocab_size": 404}
+FAMILIES = {  # name: (config class, settings, tokenizer class in tokenizer_config.json, SentencePiece style)
+    "llama": ("LlamaConfig", {}, None, None),
+    "llama-head-dim": ("LlamaConfig", {"head_dim": 32}, None, None),  # head_dim != hidden / heads
+    "llama-3.1": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE}, None, None),
+    "llama-2": ("LlamaConfig", {"vocab_size": 400}, None, "llama"),
+    "mistral": ("MistralConfig", {"sliding_window": None, "tie_word_embeddings": False}, None, None),
+    "mistral-v0.3": ("MistralConfig", {"sliding_window": None, "vocab_size": 400}, None, "llama"),
+    "qwen2": ("Qwen2Config", {}, None, None),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}, None, None),
+    "phi3": ("Phi3Config", {"pad_token_id": 0, "sliding_window": None}, "GPT2Tokenizer", None),  # Phi-4
+    "phi3-mini": ("Phi3Config", PHI3_MINI, None, "phi3"),
+    "gemma2": ("Gemma2Config", GEMMA, None, "gemma"),
+    "gemma3": ("Gemma3TextConfig", {**GEMMA, "final_logit_softcapping": 30.0}, None, "gemma"),
 }
 
 
 def tiny_model(name: str, tokenizer, folder: Path) -> Path:
-    """A tiny random model of ``name`` with random norms (an offset would show), saved with the
-    tokenizer."""
-    cls, settings, tokenizer_class = FAMILIES[name]
+    """A tiny random model of ``name`` with random norms (an offset would show), saved with its
+    tokenizer: SmolLM2's byte-level BPE, or a SentencePiece vocabulary in the family's style."""
+    cls, settings, tokenizer_class, style = FAMILIES[name]
+    if style is not None:
+        sentencepiece_tokenizer(style, folder)
+    else:
+        tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**BASE, **settings}))
     with torch.no_grad():
@@ -53,7 +65,6 @@ def tiny_model(name: str, tokenizer, folder: Path) -> Path:
             if p.ndim == 1:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     if tokenizer_class:
         config = folder / "tokenizer_config.json"
         config.write_text(config.read_text().replace('"TokenizersBackend"', f'"{tokenizer_class}"'))
@@ -61,7 +72,7 @@ def tiny_model(name: str, tokenizer, folder: Path) -> Path:
 
 
 def test_every_supported_family_is_checked_here() -> None:
-    checked = {getattr(transformers, cls).model_type for cls, _, _ in FAMILIES.values()}
+    checked = {getattr(transformers, cls).model_type for cls, *_ in FAMILIES.values()}
     assert checked == set(SUPPORTED)
 
 
@@ -69,9 +80,11 @@ def test_every_supported_family_is_checked_here() -> None:
 def test_our_gguf_equals_llama_cpps_converter(name, tokenizer, tmp_path) -> None:
     folder = tiny_model(name, tokenizer, tmp_path / "model")  # the converter reads names off the folder's
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pre = None if FAMILIES[name][3] else "smollm"
     for quant in ("f32", "f16", "q8_0") if name == "llama" else ("f16",):  # quantizing is family-blind
-        theirs = convert(folder, tmp_path / f"theirs-{quant}.gguf", quant, tokenizer_pre="smollm")
-        ours = write_gguf(model, tokenizer, tmp_path / f"ours-{quant}.gguf", quant, tokenizer_pre="smollm")
+        theirs = convert(folder, tmp_path / f"theirs-{quant}.gguf", quant, tokenizer_pre=pre)
+        ours = write_gguf(model, tokenizer, tmp_path / f"ours-{quant}.gguf", quant, tokenizer_pre=pre)
         assert differences(ours, theirs) == [], f"{name} {quant}"
 
 
@@ -152,3 +165,37 @@ def test_what_a_gguf_lora_cannot_hold_is_refused(tokenizer, tmp_path) -> None:
     with pytest.raises(ValueError, match="DoRA"):
         write_lora_gguf(adapter, tmp_path / "lora.gguf")
     assert not (tmp_path / "lora.gguf").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "refusal"),
+    [
+        ("gemma2", {"query_pre_attn_scalar": 256}, "query_pre_attn_scalar"),  # llama.cpp: 1/sqrt(head_dim)
+        ("gemma2", {"rope_theta": 500000.0}, "rope_theta 10000"),
+        ("gemma3", {"layer_types": ["full_attention", "sliding_attention"]}, "every 6th layer global"),
+    ],
+)
+def test_gemma_settings_llama_cpp_would_run_differently_are_refused(name, change, refusal, tmp_path) -> None:
+    cls, settings, _, _ = FAMILIES[name]
+    config = getattr(transformers, cls)(**{**BASE, **settings, **change})
+    model = AutoModelForCausalLM.from_config(config)
+    tokenizer = sentencepiece_tokenizer("gemma", tmp_path / "tokenizer")
+    with pytest.raises(ValueError, match=refusal):
+        write_gguf(model, tokenizer, tmp_path / "model.gguf")
+    assert not (tmp_path / "model.gguf").exists()
+
+
+def test_a_sentencepiece_vocabulary_needs_its_tokenizer_model(tmp_path) -> None:
+    """The pieces' scores are only in ``tokenizer.model``: without it, no file; a ``tokenizer.model``
+    of another vocabulary is refused too."""
+    cls, settings, _, _ = FAMILIES["llama-2"]
+    model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**BASE, **settings}))
+    sentencepiece_tokenizer("llama", tmp_path / "llama")
+    (tmp_path / "llama" / "tokenizer.model").unlink()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"none was found .*tokenizer\.model"):
+        write_gguf(model, tokenizer, tmp_path / "model.gguf")
+    other = sentencepiece_tokenizer("gemma", tmp_path / "gemma").vocab_file
+    with pytest.raises(ValueError, match="is not this tokenizer's vocabulary"):
+        write_gguf(model, tokenizer, tmp_path / "model.gguf", sentencepiece=Path(other))
+    assert not (tmp_path / "model.gguf").exists()

@@ -7,11 +7,13 @@ complete, so a failure never leaves a half-written adapter or model, and an earl
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load_file, save_file
 
+from lit_instruct.export.gguf_vocab import SENTENCEPIECE_MODEL
 from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_directory, check_finite
 
 
@@ -60,4 +62,7 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     with atomic_directory(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        sentencepiece = Path(tokenizer.name_or_path) / SENTENCEPIECE_MODEL
+        if sentencepiece.is_file():  # the pieces' scores, which a GGUF of the merged model needs
+            shutil.copyfile(sentencepiece, staging / SENTENCEPIECE_MODEL)
     return Path(out)

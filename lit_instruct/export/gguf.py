@@ -11,7 +11,6 @@ with its name, never written wrong. The file appears atomically (written beside 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -22,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from lit_instruct.export.gguf_vocab import is_sentencepiece, sentencepiece_file, write_vocabulary
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,14 @@ class Family:
     ``add_bos_token`` (others write the last only when the tokenizer's config sets it)."""
     metadata: Callable[[Any, Any], None] | None = None
     """Writes the family's own keys: ``metadata(writer, config)``."""
+    rope_base: bool = True
+    """The converter writes ``rope.freq_base`` (Gemma 2's does not: llama.cpp then takes 10000)."""
+    norm_offset: float = 0.0
+    """Added to every norm weight (Gemma's norms scale by ``1 + weight``; llama.cpp's by the weight)."""
+    plain_added_tokens: bool = False
+    """SentencePiece vocabularies: added tokens typed as the tokenizer marks them (Phi-3's converter)."""
+    check: Callable[[Any], None] | None = None
+    """Refuses a config llama.cpp would run differently from ``transformers``: ``check(config)``."""
 
 
 def _phi3_metadata(writer: Any, config: Any) -> None:
@@ -51,17 +60,60 @@ def _phi3_metadata(writer: Any, config: Any) -> None:
     writer.add_sliding_window(config.sliding_window or 0)
 
 
+def _gemma_metadata(writer: Any, config: Any) -> None:
+    """Gemma 2/3: soft-capping (Gemma 2 always writes both; Gemma 3 the final one when set), the
+    sliding window, and Gemma 3's rotary base for its sliding layers."""
+    if config.model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    else:
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        swa_theta = _rope_parameters(config).get("sliding_attention", {}).get("rope_theta")
+        if swa_theta is not None:
+            writer.add_rope_freq_base_swa(swa_theta)
+    writer.add_sliding_window(config.sliding_window)
+
+
+def _check_gemma(config: Any) -> None:
+    """What llama.cpp fixes for Gemma 2/3 instead of reading it from the file: every 2nd (Gemma 2) or
+    6th (Gemma 3) layer global, the rest sliding; queries scaled by ``1/sqrt(head_dim)``
+    (``hidden/heads`` for the 27B sizes, which it knows by their layer count); Gemma 2's rotary base
+    10000; no attention soft-capping on Gemma 3."""
+    gemma2 = config.model_type == "gemma2"
+    every = 2 if gemma2 else 6
+    layers = config.num_hidden_layers
+    pattern = ["full_attention" if i % every == every - 1 else "sliding_attention" for i in range(layers)]
+    if list(getattr(config, "layer_types", None) or pattern) != pattern:
+        raise ValueError(
+            f"GGUF export: llama.cpp runs {config.model_type} with every {every}th layer global and the rest "
+            f"sliding, but config.layer_types is {config.layer_types}"
+        )
+    heads, _, head_dim = head_counts(config)
+    scale_dim = config.hidden_size // heads if layers == (46 if gemma2 else 62) else head_dim
+    if config.query_pre_attn_scalar != scale_dim:
+        raise ValueError(
+            f"GGUF export: llama.cpp scales {config.model_type} queries by 1/sqrt({scale_dim}), but "
+            f"config.query_pre_attn_scalar is {config.query_pre_attn_scalar}"
+        )
+    if gemma2 and float(_rope(config).get("rope_theta", 10000.0)) != 10000.0:
+        raise ValueError("GGUF export: llama.cpp runs Gemma 2 with rope_theta 10000 (the file holds none)")
+    if not gemma2 and getattr(config, "attn_logit_softcapping", None):
+        raise ValueError("GGUF export: llama.cpp's Gemma 3 has no attn_logit_softcapping")
+
+
 LLAMA = Family("LLAMA", permute_qk=True, llama_keys=True)
+GEMMA = {"metadata": _gemma_metadata, "norm_offset": 1.0, "check": _check_gemma}
 SUPPORTED = {
     "llama": LLAMA,
     "mistral": LLAMA,
     "qwen2": Family("QWEN2"),
     "qwen3": Family("QWEN3"),
-    "phi3": Family("PHI3", metadata=_phi3_metadata),
+    "phi3": Family("PHI3", metadata=_phi3_metadata, plain_added_tokens=True),
+    "gemma2": Family("GEMMA2", rope_base=False, **GEMMA),  # type: ignore[arg-type]
+    "gemma3_text": Family("GEMMA3", **GEMMA),  # type: ignore[arg-type]
 }
 QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-TOKENIZER_PRE = {("llama", 49152): "smollm", ("llama", 128256): "llama-bpe", ("qwen2", 151936): "qwen2"}
-"""llama.cpp's pre-tokenizer names for known vocabularies (``tokenizer_pre`` names any other)."""
 
 
 def permute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -97,18 +149,30 @@ def _check_supported(config: Any) -> Family:
             "and metadata would have to be checked against llama.cpp first"
         )
     kind = _rope(config).get("rope_type", "default")
-    if kind != "default" and not (kind == "llama3" and family.llama_keys):
+    if (
+        kind != "default"
+        and not (kind == "llama3" and family.llama_keys)
+        and not (kind == "linear" and family.arch == "GEMMA3")
+    ):
         raise ValueError(f"GGUF export does not write rope scaling {kind!r} yet (config.rope_scaling)")
     if getattr(config, "use_sliding_window", False):
         raise ValueError(
             "GGUF export does not write sliding-window attention yet (config.use_sliding_window)"
         )
+    if family.check is not None:
+        family.check(config)
     return family
 
 
-def _rope(config: Any) -> dict[str, Any]:
+def _rope_parameters(config: Any) -> dict[str, Any]:
     """The config's rope parameters (``rope_parameters`` in transformers 5, ``rope_scaling`` before)."""
     return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def _rope(config: Any) -> dict[str, Any]:
+    """The rope parameters of the global layers (Gemma 3 keeps one set per attention kind)."""
+    parameters = _rope_parameters(config)
+    return dict(parameters.get("full_attention", parameters))
 
 
 def rope_factors(config: Any) -> torch.Tensor:
@@ -156,62 +220,6 @@ def _tensor_data(tensor: torch.Tensor, quant: str, output: bool = False) -> tupl
     return gguf.quants.quantize(data, qtype), qtype
 
 
-def _tokenizer_fields(
-    writer: Any, tokenizer: Any, config: Any, pre: str | None, chat_template: str | None, add_bos: bool
-) -> None:
-    import gguf
-
-    vocab_size = config.vocab_size
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    special = set(tokenizer.all_special_ids) | {
-        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
-    }
-    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
-    types = [
-        gguf.TokenType.CONTROL
-        if i in special
-        else gguf.TokenType.USER_DEFINED
-        if i in added
-        else gguf.TokenType.NORMAL
-        for i in range(len(tokens))
-    ]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # embedding rows past the vocabulary
-    types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
-    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(f"GGUF export writes BPE tokenizers, not {model.get('type')!r}")
-    if model.get("byte_fallback"):  # Llama 2, Mistral v0.1-0.3, Phi-3 mini, Gemma: SentencePiece vocabularies
-        raise ValueError(
-            "the tokenizer is a SentencePiece vocabulary (BPE with byte fallback), which llama.cpp stores "
-            "as its 'llama' tokenizer with scores; GGUF export writes byte-level BPE vocabularies only"
-        )
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    name = pre or TOKENIZER_PRE.get((config.model_type, vocab_size))
-    if name is None:
-        raise ValueError(
-            f"unknown pre-tokenizer for a {config.model_type} vocabulary of {vocab_size}: pass tokenizer_pre "
-            "(llama.cpp's name for it, e.g. llama-bpe, qwen2, smollm)"
-        )
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(name)
-    writer.add_token_list(tokens)
-    writer.add_token_types([int(t) for t in types])
-    writer.add_token_merges(merges)
-    for key, value in (
-        ("bos", tokenizer.bos_token_id),
-        ("eos", tokenizer.eos_token_id),
-        ("unk", tokenizer.unk_token_id),
-        ("pad", tokenizer.pad_token_id),
-    ):
-        if value is not None:
-            getattr(writer, f"add_{key}_token_id")(value)
-    if add_bos or "add_bos_token" in getattr(tokenizer, "init_kwargs", {}):
-        writer.add_add_bos_token(bool(getattr(tokenizer, "add_bos_token", False)))
-    template = chat_template or tokenizer.chat_template
-    if template:
-        writer.add_chat_template(template)
-
-
 def _write_metadata(writer: Any, model: Any, family: Family, quant: str, name: str) -> None:
     """The model's metadata: the keys llama.cpp's converter writes for the family."""
     import gguf
@@ -234,8 +242,13 @@ def _write_metadata(writer: Any, model: Any, family: Family, quant: str, name: s
     if getattr(config, "head_dim", None) is not None:  # as llama.cpp's converter: whenever set
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    theta = getattr(config, "rope_theta", None) or _rope(config).get("rope_theta", 10000.0)
-    writer.add_rope_freq_base(float(theta))
+    rope = _rope(config)
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if family.rope_base:
+        theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+        writer.add_rope_freq_base(float(theta))
     file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0"}
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type.get(quant, "MOSTLY_Q4_0")))
     if family.metadata is not None:
@@ -261,6 +274,8 @@ def _write_tensors(writer: Any, model: Any, family: Family, quant: str) -> None:
             raise ValueError(f"no GGUF name for tensor {hf_name!r} of {config.model_type}")
         if hf_name.endswith(".weight"):
             tensor = llama_cpp_rows(tensor, hf_name.removesuffix(".weight"), family, config)
+        if family.norm_offset and hf_name.endswith("norm.weight"):
+            tensor = tensor.float() + family.norm_offset
         output = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
         data, qtype = _tensor_data(tensor, quant, output)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
@@ -284,8 +299,11 @@ def write_gguf(
     chat_template: str | None = None,
     tokenizer_pre: str | None = None,
     name: str | None = None,
+    sentencepiece: Path | None = None,
 ) -> Path:
-    """Write ``model`` (a merged ``transformers`` causal LM) and ``tokenizer`` to the GGUF file ``out``.
+    """Write ``model`` (a merged ``transformers`` causal LM) and ``tokenizer`` to the GGUF file ``out``
+    (``sentencepiece``: the ``tokenizer.model`` of a SentencePiece vocabulary, found beside the
+    tokenizer when left out).
 
     Raises:
         ValueError: for an unsupported family, rope scaling, sliding windows, tokenizer or ``quant``.
@@ -294,9 +312,20 @@ def write_gguf(
         raise ValueError(f"quant must be one of {QUANT_TYPES}, got {quant!r}")
     config = model.config
     family = _check_supported(config)
+    if sentencepiece is None and is_sentencepiece(tokenizer):
+        sentencepiece = sentencepiece_file(tokenizer)  # refused before any writing when missing
     with gguf_file(out, family) as writer:
         _write_metadata(writer, model, family, quant, name or Path(out).stem)
-        _tokenizer_fields(writer, tokenizer, config, tokenizer_pre, chat_template, family.llama_keys)
+        write_vocabulary(
+            writer,
+            tokenizer,
+            config,
+            pre=tokenizer_pre,
+            chat_template=chat_template,
+            add_bos=family.llama_keys,
+            plain_added=family.plain_added_tokens,
+            sentencepiece=sentencepiece,
+        )
         _write_tensors(writer, model, family, quant)
     return Path(out)
 
