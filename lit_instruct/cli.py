@@ -81,6 +81,7 @@ class InstructCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model", "data.tokenizer")
         parser.link_arguments("data.packing", "model.packing")
+        parser.link_arguments("data", "model.added_tokens", compute_fn=_added_tokens, apply_on="instantiate")
         parser.add_argument(
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )
@@ -366,6 +367,11 @@ COMMANDS = {
     "eval": eval_main,
     "chat": chat_main,
 }
+
+
+def _added_tokens(data: InstructDataModule) -> list[str]:
+    """The tokens the data adds to the vocabulary, which the model must add too."""
+    return data.new_token_list()
 
 
 def main(argv: list[str] | None = None) -> None:

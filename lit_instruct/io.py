@@ -76,15 +76,23 @@ def save_adapter(
     target: str | Path,
     state_dict: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
-    ``state_dict`` when given (whole tensors gathered from a sharded model), and the ``chat_template``
-    it was trained with (``chat_template.jinja``), which generation and export then use by default."""
+    ``state_dict`` when given (whole tensors gathered from a sharded model), the ``chat_template``
+    it was trained with (``chat_template.jinja``), which generation and export then use by default,
+    and a ``tokenizer`` grown by new tokens."""
     from peft import get_peft_model_state_dict
 
     check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
     with atomic_directory(target) as staging:
-        peft_model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+        # a grown vocabulary's rows are the adapter's own tensors: the loaders grow the base's rows, so
+        # peft need not add copies of the whole embedding and head
+        peft_model.save_pretrained(
+            staging, safe_serialization=True, state_dict=state_dict, save_embedding_layers=False
+        )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)  # its own chat_template.jinja, replaced just below
         if chat_template is not None:
             (staging / CHAT_TEMPLATE).write_text(chat_template, encoding="utf-8")
     return Path(target)

@@ -7,7 +7,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-SECRET_NAME = re.compile(r"(api_?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+SECRET_NAME = re.compile(r"api_?key|secret|password|passwd|credential|(^|[_-])(auth_?)?token$", re.IGNORECASE)
+"""``WANDB_API_KEY``, ``HF_TOKEN``, ``token``, ``auth_token``; not ``new_tokens`` or ``tokenizer``."""
 REDACTED = "<redacted>"
 
 

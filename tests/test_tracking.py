@@ -174,12 +174,14 @@ def test_redact_secret_fields_and_secret_environment_values(monkeypatch) -> None
         "notes": f"run with {SECRET}",
         "lr": 0.1,
         "r": [SECRET],
+        "data": {"tokenizer": "smollm2", "new_tokens": ["<|im_end|>"]},  # names with "token", not secrets
     }
     assert redact(config) == {
         "hub": {"api_key": "<redacted>", "token": "<redacted>"},
         "notes": "run with <redacted>",
         "lr": 0.1,
         "r": ["<redacted>"],
+        "data": {"tokenizer": "smollm2", "new_tokens": ["<|im_end|>"]},
     }
 
 

@@ -22,6 +22,7 @@ from lit_instruct.data.templates import resolve_chat_template
 from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 from lit_instruct.io import log_dir
+from lit_instruct.vocabulary import NewTokens, add_tokens, base_tokenizer, resolve_new_tokens
 
 
 def unique_names(sources: list[DataSource], taken: list[DataSource]) -> list[DataSource]:
@@ -105,6 +106,10 @@ class InstructDataModule(L.LightningDataModule):
             answer trained: LLaMA-Factory's ``mask_history``).
         train_on: ``answers`` (the assistant turns) or ``all`` (every token of the rendering:
             Axolotl's ``train_on_inputs``).
+        new_tokens: tokens to add to the vocabulary: ``auto`` (default: the turn markers the chat
+            templates render, e.g. ChatML's ``<|im_start|>``, that the tokenizer does not hold as one
+            token: a base model taught a chat format), a list, or ``null`` (markers stay split into
+            pieces). The model adds the same (:meth:`new_token_list`; the CLI links them).
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class InstructDataModule(L.LightningDataModule):
         mixture_replacement: bool = False,
         streaming: bool = False,
         shuffle_buffer: int = 10_000,
+        new_tokens: NewTokens = "auto",
     ) -> None:
         super().__init__()
         self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in sources or []]
@@ -187,6 +193,8 @@ class InstructDataModule(L.LightningDataModule):
             if streaming
             else SampledFeed(seed, group_by_length, mixture_replacement)
         )
+        self.new_tokens = new_tokens
+        self.added_tokens: list[str] = []
         self.tokenizer: Any = None
         self.prepared: PreparedData | None = None
         self._set_up = False
@@ -201,14 +209,30 @@ class InstructDataModule(L.LightningDataModule):
             self.prepared = self.prepare_samples()  # this rank's setup reports what it did
 
     def load_tokenizer(self) -> Any:
-        """Load (once) the tokenizer named by ``tokenizer``."""
+        """Load (once) the tokenizer named by ``tokenizer``, with the new tokens added."""
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            from lit_instruct.models import resolve_model_path
-
-            self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.tokenizer_name))
+            tokenizer = base_tokenizer(self.tokenizer_name)
+            self.added_tokens = resolve_new_tokens(tokenizer, self._templates(tokenizer), self.new_tokens)
+            if self.added_tokens:
+                ids = add_tokens(tokenizer, self.added_tokens)
+                rank_zero_info(f"new tokens {self.added_tokens} (ids {ids}): the chat template renders them")
+            self.tokenizer = tokenizer
         return self.tokenizer
+
+    def new_token_list(self) -> list[str]:
+        """The tokens this data adds to the vocabulary, in order (what the model must add too)."""
+        self.load_tokenizer()
+        return list(self.added_tokens)
+
+    def _templates(self, tokenizer: Any) -> list[str]:
+        """The chat templates the sources are rendered with (plain-text data has none)."""
+        found = []
+        for source in self.sources + self.val_sources:
+            try:
+                found.append(resolve_chat_template(tokenizer, self.settings.template_for(source)))
+            except ValueError:
+                continue
+        return list(dict.fromkeys(found))
 
     def data_cache_dir(self) -> Path | None:
         """Where tokenized data is cached (``None`` with ``cache: false``)."""
@@ -296,7 +320,10 @@ class InstructDataModule(L.LightningDataModule):
             config = AutoConfig.from_pretrained(resolve_model_path(self.tokenizer_name))
         except (OSError, ValueError):
             return None
-        return getattr(config.get_text_config(), "vocab_size", None)
+        rows = getattr(config.get_text_config(), "vocab_size", None)
+        if rows is not None and self.new_token_list():  # the model grows its rows to hold them
+            rows = max(rows, len(self.load_tokenizer()))
+        return rows
 
     def rejects_path(self) -> Path:
         """``rejects_file``, else ``rejects.jsonl`` in the log directory (or the working directory)."""

@@ -4,6 +4,8 @@
 
 * ``alpaca``: the alpaca prompt (``### Instruction:`` / ``### Response:``), for tokenizers without a
   template.
+* ``chatml``: plain ChatML (``<|im_start|>role ... <|im_end|>``), no default system prompt: a base
+  model taught to chat.
 * ``chatml-tools``: ChatML (``<|im_start|>role ... <|im_end|>``, SmolLM2's and Qwen's markers) that
   also shows what the plain ChatML templates drop: the tools offered (in the system turn, as
   Qwen2.5 and Hermes do), the assistant's tool calls (``<tool_call>`` JSON), tool results
@@ -60,7 +62,18 @@ CHATML_TOOLS_TEMPLATE = (
 )
 """ChatML with tools, tool calls, tool results and reasoning shown (``chat_template: chatml-tools``)."""
 
-BUILTIN_TEMPLATES = {"alpaca": ALPACA_CHAT_TEMPLATE, "chatml-tools": CHATML_TOOLS_TEMPLATE}
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""Plain ChatML, no default system prompt (``chat_template: chatml``): for teaching a base model to chat
+(its markers become new tokens: ``data.new_tokens``)."""
+
+BUILTIN_TEMPLATES = {
+    "alpaca": ALPACA_CHAT_TEMPLATE,
+    "chatml": CHATML_TEMPLATE,
+    "chatml-tools": CHATML_TOOLS_TEMPLATE,
+}
 
 
 def resolve_chat_template(tokenizer: Any, override: str | None = None) -> str:

@@ -38,16 +38,19 @@ def merged_model(adapter: str | Path, base: str | None = None) -> tuple[Any, Any
     """``adapter`` merged into a full-precision (fp32) copy of its base, both checked finite, and the
     base's tokenizer; an adapter trained on an NF4 base merges into the fp32 base weights."""
     from peft import PeftModel
-    from transformers import AutoTokenizer
 
-    from lit_instruct.models import resolve_model_path
     from lit_instruct.models.load import load_base_model
+    from lit_instruct.models.new_tokens import embedding_rows_for
+    from lit_instruct.vocabulary import adapter_tokenizer
 
     adapter, base = Path(adapter), adapter_base(adapter, base)
     check_finite(load_file(adapter / ADAPTER_WEIGHTS), str(adapter / ADAPTER_WEIGHTS))
-    model = PeftModel.from_pretrained(load_base_model(base, "float32"), adapter).merge_and_unload()
+    tokenizer = adapter_tokenizer(adapter, base)
+    model = load_base_model(base, "float32")
+    embedding_rows_for(model, tokenizer)  # the rows of tokens added at training
+    model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
     check_finite(dict(model.state_dict()), f"the merge of {adapter}")
-    return model, AutoTokenizer.from_pretrained(resolve_model_path(base))
+    return model, tokenizer
 
 
 def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
@@ -57,12 +60,14 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     ``AutoModelForCausalLM.from_pretrained(out)``. ``base`` overrides the adapter's recorded
     ``base_model_name_or_path``.
     """
+    from lit_instruct.models import resolve_model_path
+
     model, tokenizer = merged_model(adapter, base)
     model.config.use_cache = True
     with atomic_directory(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        sentencepiece = Path(tokenizer.name_or_path) / SENTENCEPIECE_MODEL
+        sentencepiece = Path(resolve_model_path(adapter_base(adapter, base))) / SENTENCEPIECE_MODEL
         if sentencepiece.is_file():  # the pieces' scores, which a GGUF of the merged model needs
             shutil.copyfile(sentencepiece, staging / SENTENCEPIECE_MODEL)
     return Path(out)

@@ -370,16 +370,19 @@ def export_gguf(
     from lit_instruct.export.adapter import adapter_base, merged_model
     from lit_instruct.export.ollama import ollama_format, write_modelfile
     from lit_instruct.io import adapter_chat_template
+    from lit_instruct.models import resolve_model_path
 
     model, tokenizer = merged_model(adapter, base)
     _check_supported(model.config)  # refusals before any writing
+    base_folder = resolve_model_path(adapter_base(adapter, base))
+    sentencepiece = sentencepiece_file(tokenizer, (base_folder,)) if is_sentencepiece(tokenizer) else None
     template = resolve_chat_template(tokenizer, adapter_chat_template(adapter, chat_template))
     if ollama:
         ollama_format(tokenizer, template)
     folder = Path(adapter).resolve()
     label = folder.parent.name if folder.name == "adapter" else folder.name
     name = f"{Path(adapter_base(adapter, base)).name}-{label}"
-    written = write_gguf(model, tokenizer, out, quant, template, tokenizer_pre, name)
+    written = write_gguf(model, tokenizer, out, quant, template, tokenizer_pre, name, sentencepiece)
     if ollama:
         write_modelfile(written, tokenizer, template)
     return written

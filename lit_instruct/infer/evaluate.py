@@ -15,34 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from lit_instruct.export.adapter import adapter_base
-from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from lit_instruct.vocabulary import adapter_new_tokens, base_tokenizer
 
 
 def load_adapter_module(adapter: str | Path, base: str | None = None) -> Any:
-    """An :class:`InstructLoRAModule` with the adapter's LoRA layout and weights, in eval mode."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from lit_instruct.models.lora import LoRAConfig
+    """An :class:`InstructLoRAModule` with the adapter's own LoRA structure and weights (and the tokens
+    its training added), in eval mode."""
     from lit_instruct.train.module import InstructLoRAModule
 
-    adapter = Path(adapter)
-    config = json.loads((adapter / ADAPTER_CONFIG).read_text())  # the LoRA layout
-    lora = LoRAConfig(
-        r=config["r"],
-        alpha=config["lora_alpha"],
-        target_modules=sorted(config["target_modules"]),
-        use_rslora=config.get("use_rslora", False),
-    )
-    module = InstructLoRAModule(model=adapter_base(adapter, base), lora=lora)
-    result: Any = set_peft_model_state_dict(module.model, load_file(adapter / ADAPTER_WEIGHTS))
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    unexpected = list(result.unexpected_keys)
-    if missing or unexpected:
-        raise ValueError(
-            f"{adapter} does not fit its base: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
-    return module.eval()
+    model = adapter_base(adapter, base)
+    new_tokens = adapter_new_tokens(adapter, model)
+    return InstructLoRAModule(model=model, adapter=str(adapter), added_tokens=new_tokens).eval()
 
 
 def evaluate(
@@ -96,13 +79,10 @@ def write_answers(
 ) -> Path:
     """For each record of ``data``: its conversation up to the last answer, the reference answer and
     the greedy answer of ``module`` (:func:`load_adapter_module`), one JSON line each."""
-    from transformers import AutoTokenizer
-
     from lit_instruct.data.sources import read_source
     from lit_instruct.infer.generate import generate
-    from lit_instruct.models import resolve_model_path
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(module.hparams["model"]))
+    tokenizer = base_tokenizer(module.hparams["model"], module.hparams.get("added_tokens"))
     lines = []
     for path in data:
         for record in read_source(path):

@@ -12,15 +12,16 @@ from lit_instruct.data.templates import resolve_chat_template
 def load_for_generation(model: str, adapter: str | None = None, dtype: str = "float32") -> tuple[Any, Any]:
     """Load a model (bundled name, folder or hub id), optionally with a PEFT adapter, in eval mode."""
     from peft import PeftModel
-    from transformers import AutoTokenizer
 
-    from lit_instruct.models import resolve_model_path
     from lit_instruct.models.load import load_base_model
+    from lit_instruct.models.new_tokens import embedding_rows_for
+    from lit_instruct.vocabulary import adapter_tokenizer
 
     net = load_base_model(model, dtype)  # type: ignore[arg-type]
+    tokenizer = adapter_tokenizer(adapter, model)
     if adapter:
+        embedding_rows_for(net, tokenizer)
         net = PeftModel.from_pretrained(net, adapter)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
     return net.eval(), tokenizer
 
 

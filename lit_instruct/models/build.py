@@ -22,8 +22,10 @@ from lit_instruct.models.fused_lora import FusedLayers, fuse_lora
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig, load_base_model
 from lit_instruct.models.lora import LoRAConfig, attach_lora, load_lora
 from lit_instruct.models.moe import RouterAuxLoss
+from lit_instruct.models.new_tokens import grow_embeddings, trainable_token_indices
 from lit_instruct.models.output_head import output_head
 from lit_instruct.models.packing import enable_packing
+from lit_instruct.vocabulary import base_tokenizer
 
 logger = logging.getLogger("lit_instruct")
 
@@ -44,6 +46,9 @@ class ModelOptions:
     compile_layers: bool = False
     adapter: str | None = None
     """A PEFT adapter folder to start from (its own LoRA settings) instead of fresh adapters."""
+    added_tokens: list[str] | None = None
+    """Tokens added to the vocabulary (the data's ``new_tokens``): embedding rows grown for them and
+    trained (peft's ``trainable_token_indices``, unless ``lora.modules_to_save`` trains the modules whole)."""
 
 
 @dataclass
@@ -86,6 +91,15 @@ def build_trainable_model(
         options.attn_implementation,
         on_meta,
     )
+    token_ids: list[int] = []
+    if options.added_tokens:
+        if low_memory_ranks:
+            raise ValueError(
+                "model.added_tokens (data.new_tokens) with model.low_memory_load is not supported yet"
+            )
+        tokenizer = base_tokenizer(options.model, options.added_tokens)
+        token_ids = tokenizer.convert_tokens_to_ids(options.added_tokens)
+        grow_embeddings(base, token_ids)
     if options.packing:
         enable_packing(base, check=not on_meta)  # rank 0 checks the same model with its weights
     transform = output_head(base, verify=not on_meta).transform  # rank 0 verifies it
@@ -93,7 +107,8 @@ def build_trainable_model(
     if options.adapter is not None:
         peft_model = load_lora(base, options.adapter)
     else:
-        peft_model = attach_lora(base, lora, probe=not low_memory_ranks)  # the same on every rank
+        trainable = trainable_token_indices(base, token_ids) if token_ids else None
+        peft_model = attach_lora(base, lora, not low_memory_ranks, trainable)  # the same on every rank
     peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
     fused = fuse_lora(peft_model, check=not on_meta) if options.fuse_lora else None
     if fused is not None and lora.use_dora:

@@ -51,6 +51,10 @@ class LoRAConfig:
     loraplus_lr_ratio: float | None = None
     """LoRA+: the B matrices (and 1-D adapter weights such as DoRA's magnitudes) learn at this many
     times the learning rate, as peft's ``create_loraplus_optimizer`` groups them."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained whole and saved with the adapter (peft's ``modules_to_save``), e.g.
+    ``[embed_tokens, lm_head]`` to train the whole embedding and head of a model given new tokens
+    (by default only the new tokens' rows train)."""
     allow_partial: bool = False
     """Train even when peft could not put an adapter on every module asked for (they are named in
     the coverage line); otherwise that is an error at build."""
@@ -80,8 +84,15 @@ def only_layers(targets: LoRATargets, layers: list[int]) -> LoRATargets:
     )
 
 
-def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
-    """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen.
+def attach_lora(
+    model: nn.Module,
+    lora: LoRAConfig,
+    probe: bool = True,
+    trainable_tokens: dict[str, list[int]] | None = None,
+) -> Any:
+    """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen but the rows of
+    ``trainable_tokens`` (module name -> token ids: peft's ``trainable_token_indices``; a module in
+    ``lora.modules_to_save`` trains whole instead).
 
     ``target_modules: [all-linear]`` adapts every linear layer but the output head and every 3-D
     expert weight (peft's ``target_parameters``). What peft adapted is then checked against what was
@@ -121,6 +132,11 @@ def attach_lora(model: nn.Module, lora: LoRAConfig, probe: bool = True) -> Any:
         layers_to_transform=lora.layers_to_transform,
         rank_pattern=lora.rank_pattern,
         alpha_pattern=lora.alpha_pattern,
+        modules_to_save=lora.modules_to_save or None,
+        trainable_token_indices={
+            name: ids for name, ids in (trainable_tokens or {}).items() if name not in lora.modules_to_save
+        }
+        or None,
         task_type="CAUSAL_LM",
         bias="none",
     )
@@ -180,11 +196,12 @@ def lora_config_of(adapter: str | Path) -> LoRAConfig:
         layers_to_transform=saved.get("layers_to_transform"),
         rank_pattern=saved.get("rank_pattern") or {},
         alpha_pattern=saved.get("alpha_pattern") or {},
+        modules_to_save=sorted(saved.get("modules_to_save") or []),
     )
 
 
 STRUCTURE: tuple[str, ...] = ("r", "alpha", "dropout", "target_modules", "use_rslora", "use_dora")
-STRUCTURE += ("layers_to_transform", "rank_pattern", "alpha_pattern")
+STRUCTURE += ("layers_to_transform", "rank_pattern", "alpha_pattern", "modules_to_save")
 """The :class:`LoRAConfig` fields an adapter folder fixes."""
 
 
@@ -194,7 +211,7 @@ def with_adapter_structure(asked: LoRAConfig, saved: LoRAConfig) -> LoRAConfig:
     default = LoRAConfig()
     for name in STRUCTURE:
         mine, theirs = getattr(asked, name), getattr(saved, name)
-        same = set(mine) == set(theirs) if name == "target_modules" else mine == theirs
+        same = set(mine) == set(theirs) if name in ("target_modules", "modules_to_save") else mine == theirs
         if mine != getattr(default, name) and not same:
             raise ValueError(
                 f"model.lora.{name} is {mine!r}, but model.adapter was trained with {theirs!r}: the adapter "

@@ -28,6 +28,7 @@ from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_stat
 from lit_instruct.train.rng_states import RestoreRNGStates
 from lit_instruct.train.throughput import TokensPerSecond
 from lit_instruct.train.window import TokenWindow, gradient_factor, scale_gradients
+from lit_instruct.vocabulary import base_tokenizer
 
 
 def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
@@ -135,6 +136,10 @@ class InstructLoRAModule(L.LightningModule):
             structure (rank, alpha, targets, variant), every tensor loaded into a layer of the same
             shape (an adapter of another base is an error); ``lora``'s structural fields are left
             unset or must agree, its ``loraplus_lr_ratio`` applies.
+        added_tokens: tokens added to the vocabulary, in the data's order (the CLI links
+            ``data.new_tokens``' resolved list): the embedding (and an untied head) grows rows for
+            them, at the mean of the others, and those rows train (``lora.modules_to_save`` trains
+            the modules whole); the adapter folder then carries the grown tokenizer.
     """
 
     def __init__(
@@ -160,6 +165,7 @@ class InstructLoRAModule(L.LightningModule):
         loss: LossChoice | Callable = "fused",  # Callable, not LossFn: jsonargparse then builds a class_path
         optimizer: OptimizerCallable | None = None,
         adapter: str | None = None,
+        added_tokens: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
@@ -185,6 +191,7 @@ class InstructLoRAModule(L.LightningModule):
             checkpoint_layers,
             compile_layers,
             adapter,
+            added_tokens or None,
         )
         meta_ranks = low_memory_load and self.quantization.method == "none"
         built = build_trainable_model(
@@ -221,10 +228,19 @@ class InstructLoRAModule(L.LightningModule):
         return self.base_model.get_output_embeddings()
 
     def setup(self, stage: str) -> None:
-        if getattr(getattr(self.trainer, "datamodule", None), "packing", False) and not self.packing:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if getattr(datamodule, "packing", False) and not self.packing:
             raise ValueError(
                 "data.packing is on but the model was built without packing: pass "
                 "InstructLoRAModule(packing=True) (the CLI links data.packing to model.packing)"
+            )
+        new_token_list = getattr(datamodule, "new_token_list", None)
+        added = new_token_list() if callable(new_token_list) else None
+        if added is not None and added != (self.hparams.get("added_tokens") or []):
+            raise ValueError(
+                f"the data adds the tokens {added} to the vocabulary but the model was built with "
+                f"added_tokens={self.hparams.get('added_tokens')}: pass InstructLoRAModule(added_tokens="
+                "datamodule.new_token_list()) (the CLI links them)"
             )
 
     def configure_model(self) -> None:
@@ -287,8 +303,9 @@ class InstructLoRAModule(L.LightningModule):
         hidden, aux = self.trunk(batch)  # (B, T, H)
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
         labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
-        head = self.lm_head
-        weight, bias = full_tensor(head.weight), full_tensor(head.bias)  # whole, if FSDP sharded them
+        head = self.lm_head  # peft's wrappers (new tokens' rows, modules_to_save) give what they compute with
+        bias = head.bias if hasattr(head, "bias") else None  # the trainable-tokens head computes without one
+        weight, bias = full_tensor(head.weight), full_tensor(bias)  # whole, if FSDP sharded them
         assert weight is not None
         loss_sum = self.loss_fn(
             shifted, weight, labels, bias=bias, transform=self.logit_transform, reduction="sum"
@@ -418,4 +435,7 @@ class InstructLoRAModule(L.LightningModule):
         if self.trainer.is_global_zero:
             template_of = getattr(getattr(self.trainer, "datamodule", None), "training_chat_template", None)
             template = template_of() if callable(template_of) else None
-            self.saved_adapter = save_adapter(self.model, path, state, template)
+            tokenizer = None
+            if self.hparams.get("added_tokens"):  # the grown vocabulary travels with the adapter
+                tokenizer = base_tokenizer(self.hparams["model"], self.hparams["added_tokens"])
+            self.saved_adapter = save_adapter(self.model, path, state, template, tokenizer)
