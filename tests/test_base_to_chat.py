@@ -152,3 +152,17 @@ def test_data_and_model_disagreeing_on_new_tokens_is_an_error(tmp_path) -> None:
     module = InstructLoRAModule(model=str(base), lora={"r": 4})
     with pytest.raises(ValueError, match="adds the tokens"):
         trainer(tmp_path, 1).fit(module, datamodule=data)
+
+
+def test_base_to_chat_yaml_links_the_data_tokens_to_the_model(tmp_path) -> None:
+    from lit_instruct.cli import main
+
+    base = base_model(tmp_path / "base")
+    args = ["fit", "--config", str(Path(__file__).parents[1] / "configs" / "base-to-chat.yaml")]
+    args += ["--model.model", str(base), "--data.chatterbot_categories", "null"]
+    args += ["--data.train_files", f"[{conversations(tmp_path / 'chat.jsonl')}]", "--data.max_seq_len", "64"]
+    args += ["--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.callbacks", "[]"]
+    args += ["--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.enable_progress_bar", "false"]
+    main(args)
+    grown = AutoTokenizer.from_pretrained(tmp_path / "run" / "adapter")
+    assert grown.convert_ids_to_tokens([400, 401]) == CHATML_MARKERS
