@@ -56,7 +56,8 @@ def sentencepiece_tokenizer(style: str, folder: Path) -> Any:
             byte_fallback=True,
             character_coverage=1.0,
             add_dummy_prefix=settings["dummy_prefix"],
-            remove_extra_whitespaces=settings["dummy_prefix"],
+            remove_extra_whitespaces=False,  # as Llama 2, Mistral and Gemma: runs of spaces, newlines
+            normalization_rule_name="identity",  # and tabs kept
             user_defined_symbols=settings.get("user_defined", []),
             minloglevel=2,
             **ids,
