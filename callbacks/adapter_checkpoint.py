@@ -68,7 +68,14 @@ class AdapterCheckpoint(ModelCheckpoint):
                 continue
             stat = os.stat(path)
             if self._adapters.get(path) != (stat.st_ino, stat.st_mtime_ns):
-                save_adapter(trainer.lightning_module.model, self.adapter_dir(path))
+                module = trainer.lightning_module
+                write = getattr(
+                    module, "write_adapter", None
+                )  # template, tokenizer, residual-init conversion
+                if callable(write):
+                    write(self.adapter_dir(path))
+                else:
+                    save_adapter(module.model, self.adapter_dir(path))
                 self._adapters[path] = (stat.st_ino, stat.st_mtime_ns)
 
     @override

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -77,11 +77,13 @@ def save_adapter(
     state_dict: dict[str, Any] | None = None,
     chat_template: str | None = None,
     tokenizer: Any = None,
+    convert: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
     ``state_dict`` when given (whole tensors gathered from a sharded model), the ``chat_template``
     it was trained with (``chat_template.jinja``), which generation and export then use by default,
-    and a ``tokenizer`` grown by new tokens."""
+    and a ``tokenizer`` grown by new tokens. ``convert`` rewrites the saved adapter in its folder
+    before it appears (a residual init's to plain LoRA)."""
     from peft import get_peft_model_state_dict
 
     check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
@@ -91,6 +93,8 @@ def save_adapter(
         peft_model.save_pretrained(
             staging, safe_serialization=True, state_dict=state_dict, save_embedding_layers=False
         )
+        if convert is not None:
+            convert(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)  # its own chat_template.jinja, replaced just below
         if chat_template is not None:

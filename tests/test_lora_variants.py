@@ -4,6 +4,7 @@ own computation; continuing from an adapter equals continuing the run that saved
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import lightning as L
@@ -11,6 +12,7 @@ import pytest
 import torch
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.optimizers import create_loraplus_optimizer
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from lit_instruct.models.lora import LoRAConfig
@@ -24,6 +26,8 @@ VARIANTS = {
     "gaussian": {"init": "gaussian"},
     "layers": {"layers_to_transform": [1]},
     "patterns": {"rank_pattern": {"q_proj": 2}, "alpha_pattern": {"v_proj": 3.0}},
+    "pissa": {"init": "pissa"},  # peft rebuilds the same residual base from the pristine one
+    "olora": {"init": "olora"},
 }
 
 
@@ -93,12 +97,64 @@ def test_a_variant_equals_peft_on_a_moe(variant, tmp_path) -> None:
     assert_equals_peft(InstructLoRAModule(model=str(base), lora=lora), base)
 
 
-def test_dora_on_expert_weights_and_rewriting_inits_are_refused(tiny_model_dir, tmp_path) -> None:
+def test_dora_on_expert_weights_and_inits_we_cannot_do_are_refused(tiny_model_dir, tmp_path) -> None:
     base = build_family("qwen3_moe", 49152, tmp_path / "moe")
     with pytest.raises(ValueError, match="DoRA cannot"):
         InstructLoRAModule(model=str(base), lora=LoRAConfig(r=4, use_dora=True))
-    with pytest.raises(ValueError, match="rewrites the base weights"):
-        InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, init="pissa_niter_4"))
+    with pytest.raises(ValueError, match="adapted through its weight"):
+        InstructLoRAModule(model=str(base), lora=LoRAConfig(r=4, init="pissa"))
+    for init, why in (("loftq", "quantizes the base"), ("eva", "data"), ("pissa_niter_", "is not one of")):
+        with pytest.raises(ValueError, match=why):
+            InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, init=init))
+    with pytest.raises(ValueError, match="plain LoRA"):
+        InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, init="olora", use_dora=True))
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_2", "olora"])
+def test_a_residual_init_saves_plain_lora_on_the_original_base(init, tiny_model_dir, tmp_path) -> None:
+    """Trained on the residual base, saved as peft's own conversion writes it: rank 2r, and on the
+    untouched base it gives the trained model's logits."""
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    module = InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8, init=init))
+    torch.manual_seed(0)  # the same randomized SVD for peft's own model
+    reference = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+        copy.deepcopy(module.model.peft_config["default"]),
+    )
+    reference.peft_config["default"].init_lora_weights = True  # peft's recipe: the initial adapter, as LoRA
+    reference.save_pretrained(tmp_path / "initial")
+    reference.peft_config["default"].init_lora_weights = init
+    with torch.no_grad():  # "training"
+        for p in module.model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    set_peft_model_state_dict(reference, get_peft_model_state_dict(module.model))
+    ours = module.write_adapter(tmp_path / "ours")
+    reference.save_pretrained(
+        tmp_path / "peft", path_initial_model_for_weight_conversion=tmp_path / "initial"
+    )
+
+    config, theirs_config = (
+        json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft")
+    )
+    assert (config["r"], config["lora_alpha"]) == (theirs_config["r"], theirs_config["lora_alpha"]) == (8, 16)
+    weights, theirs = (
+        load_file(ours / "adapter_model.safetensors"),
+        load_file(tmp_path / "peft" / "adapter_model.safetensors"),
+    )
+    assert weights.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=0)
+    plain = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), ours
+    )
+    ids = batch(module.base_model.config.vocab_size)["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain(input_ids=ids).logits, module.model.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_loraplus_groups_the_parameters_as_peft_does(tiny_model_dir, chat_file, tmp_path) -> None:
@@ -202,8 +258,6 @@ def test_dora_with_loraplus_under_fused_ce_and_accumulation_equals_peft(
 
 
 def test_variants_train_through_lit_instruct_fit(tiny_model_dir, chat_file, tmp_path) -> None:
-    import json
-
     from tests.test_config_swaps import fit
 
     args = [
@@ -220,3 +274,35 @@ def test_variants_train_through_lit_instruct_fit(tiny_model_dir, chat_file, tmp_
     assert cli.trainer.global_step == 2
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["use_dora"] and saved["rank_pattern"] == {"q_proj": 2}
+
+
+def test_a_residual_init_resumes_on_the_same_residual(tiny_model_dir, chat_file, tmp_path) -> None:
+    """A checkpoint holds the adapter only: the resumed module rebuilds the same residual base and
+    initial adapter, so its weights and the adapter it writes equal the run's."""
+    pissa = LoRAConfig(r=4, alpha=8, init="pissa")
+    first, data = make(tiny_model_dir, chat_file, lora=pissa)
+    run = trainer(tmp_path / "first", max_steps=2, limit_val_batches=0)
+    run.fit(first, datamodule=data)
+    run.save_checkpoint(tmp_path / "step2.ckpt")
+    again, data = make(tiny_model_dir, chat_file, lora=pissa)
+    trainer(tmp_path / "again", max_steps=2, limit_val_batches=0).fit(
+        again, datamodule=data, ckpt_path=tmp_path / "step2.ckpt"
+    )
+    for (name, a), (_, b) in zip(first.state_dict().items(), again.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    written = [
+        load_file(m.write_adapter(tmp_path / n) / "adapter_model.safetensors")
+        for m, n in ((first, "a"), (again, "b"))
+    ]
+    torch.testing.assert_close(written[0], written[1], rtol=0, atol=0)
+    saved = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], saved["init_lora_weights"]) == (8, 16, True)
+
+
+def test_a_residual_init_trains_through_lit_instruct_fit(tiny_model_dir, chat_file, tmp_path) -> None:
+    from tests.test_config_swaps import fit
+
+    args = ["--model.lora.init", "pissa_niter_2", "--model.adapter_dir", str(tmp_path / "adapter")]
+    assert fit(tiny_model_dir, chat_file, tmp_path, *args).trainer.global_step == 2
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["init_lora_weights"] is True and saved["r"] == 2 * 16  # plain LoRA of rank 2r

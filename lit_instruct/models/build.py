@@ -25,6 +25,7 @@ from lit_instruct.models.moe import RouterAuxLoss
 from lit_instruct.models.new_tokens import grow_embeddings, trainable_token_indices
 from lit_instruct.models.output_head import output_head
 from lit_instruct.models.packing import enable_packing
+from lit_instruct.models.residual_init import initial_adapter, is_residual_init
 from lit_instruct.vocabulary import base_tokenizer
 
 logger = logging.getLogger("lit_instruct")
@@ -63,6 +64,8 @@ class TrainableModel:
     fused_layers: FusedLayers | None
     built_on_meta: bool
     """Built without weights (a rank that receives its shards from rank 0)."""
+    initial_adapter: dict[str, torch.Tensor] | None = None
+    """A residual init's (PiSSA, OLoRA) adapter weights at init: the saved adapter is converted with them."""
 
 
 def build_trainable_model(
@@ -83,6 +86,14 @@ def build_trainable_model(
     """
     if options.checkpoint_layers is not None and not options.gradient_checkpointing:
         raise ValueError("model.checkpoint_layers needs model.gradient_checkpointing: true")
+    residual = is_residual_init(lora.init)
+    if options.adapter is not None and lora.init != "default":
+        raise ValueError("model.lora.init initialises new adapters; model.adapter continues a trained one")
+    if residual and (quantization.method != "none" or low_memory_ranks):
+        raise ValueError(
+            f"model.lora.init: {lora.init} decomposes the full-precision base weights: not with "
+            "model.quantization (LoftQ would be the QLoRA init) or model.low_memory_load"
+        )
     base: Any = load_base_model(
         options.model,
         options.dtype,
@@ -110,6 +121,7 @@ def build_trainable_model(
         trainable = trainable_token_indices(base, token_ids) if token_ids else None
         peft_model = attach_lora(base, lora, not low_memory_ranks, trainable)  # the same on every rank
     peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
+    initial = initial_adapter(peft_model) if residual else None
     fused = fuse_lora(peft_model, check=not on_meta) if options.fuse_lora else None
     if fused is not None and lora.use_dora:
         logger.info("fused LoRA: the DoRA layers run peft's own forward (their fused form is not written)")
@@ -123,4 +135,4 @@ def build_trainable_model(
     if options.compile_layers:
         for layer in decoder_of(base).layers:
             layer.compile(dynamic=True)
-    return TrainableModel(peft_model, transform, router_aux_loss, fused, on_meta)
+    return TrainableModel(peft_model, transform, router_aux_loss, fused, on_meta, initial)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lit_instruct.models.lora_targets import LoRATargets, check_coverage, lora_targets
+from lit_instruct.models.residual_init import is_residual_init
 
 LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 """The decoder-layer index in a module name, as peft's ``layers_to_transform`` reads it."""
@@ -39,9 +40,11 @@ class LoRAConfig:
     """DoRA: a trained magnitude per output row on top of the low-rank direction (peft's ``use_dora``;
     its layers run peft's own forward, not the fused LoRA layers)."""
     init: str = "default"
-    """Adapter initialisation: ``default`` (peft's: A Kaiming-uniform, B zero) or ``gaussian`` (A
-    normal with std 1/r). PiSSA, OLoRA, EVA and LoftQ are refused: they rewrite the base weights, and
-    the adapter they save only fits that rewritten base until converted back (not implemented yet)."""
+    """Adapter initialisation: ``default`` (peft's: A Kaiming-uniform, B zero), ``gaussian`` (A normal
+    with std 1/r), ``pissa`` / ``pissa_niter_N`` (the weight's top singular vectors, exact or by N
+    randomized-SVD iterations) or ``olora`` (its QR decomposition): these two train on the residual
+    base and save plain LoRA of rank 2r on the original one (:mod:`lit_instruct.models.residual_init`).
+    LoftQ, CorDA and EVA are refused (they need a quantizing init or a data pass)."""
     layers_to_transform: list[int] | None = None
     """Only these decoder layers (by index) get adapters."""
     rank_pattern: dict[str, int] = field(default_factory=dict)
@@ -60,12 +63,12 @@ class LoRAConfig:
     the coverage line); otherwise that is an error at build."""
 
 
-INITS = ("default", "gaussian")
+INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora")
 REFUSED_INITS = {
-    name: "rewrites the base weights (W - BA), and the adapter it saves fits only that rewritten base "
-    "until converted back to plain LoRA, which lit-instruct does not do yet: use default or gaussian"
-    for name in ("pissa", "olora", "loftq", "corda")
-} | {"eva": "needs a pass over the training data at build, which lit-instruct does not do yet"}
+    "loftq": "quantizes the base while it initialises (QLoRA bases), which lit-instruct does not do yet",
+    "corda": "needs a pass over the training data at build, which lit-instruct does not do yet",
+    "eva": "needs a pass over the training data at build, which lit-instruct does not do yet",
+}
 
 
 def only_layers(targets: LoRATargets, layers: list[int]) -> LoRATargets:
@@ -101,9 +104,15 @@ def attach_lora(
     """
     from peft import LoraConfig, get_peft_model
 
-    if lora.init not in INITS:
-        why = REFUSED_INITS.get(lora.init.split("_niter")[0], f"is not one of {INITS}")
+    residual = is_residual_init(lora.init)
+    if lora.init not in ("default", "gaussian") and not residual:
+        why = REFUSED_INITS.get(lora.init, f"is not one of {INITS}")
         raise ValueError(f"model.lora.init: {lora.init!r} {why}")
+    if residual and (lora.use_dora or (lora.use_rslora and (lora.rank_pattern or lora.alpha_pattern))):
+        raise ValueError(
+            f"model.lora.init: {lora.init} with DoRA, or rsLoRA with rank/alpha patterns: its adapter could "
+            "not be saved as plain LoRA on the original base (peft cannot convert those either)"
+        )
     targets = lora_targets(model, lora.target_modules, probe)
     if lora.layers_to_transform is not None:
         targets = only_layers(targets, lora.layers_to_transform)
@@ -113,6 +122,11 @@ def attach_lora(
             f"model.lora.use_dora, but {by_weight[0]} (and {len(by_weight) - 1} more) is adapted through its "
             "weight (expert weights, or layers peft would rename into them), which peft's DoRA cannot do: "
             "name the dense layers in model.lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+        )
+    if by_weight and residual:
+        raise ValueError(
+            f"model.lora.init: {lora.init} on {by_weight[0]} (and {len(by_weight) - 1} more), adapted "
+            "through its weight (expert weights): name the dense layers in model.lora.target_modules"
         )
     if by_weight and lora.dropout:
         raise ValueError(
@@ -128,7 +142,7 @@ def attach_lora(
         target_parameters=targets.peft_parameters or None,
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
-        init_lora_weights=True if lora.init == "default" else "gaussian",
+        init_lora_weights=True if lora.init == "default" else lora.init,  # type: ignore[arg-type]
         layers_to_transform=lora.layers_to_transform,
         rank_pattern=lora.rank_pattern,
         alpha_pattern=lora.alpha_pattern,

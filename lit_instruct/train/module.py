@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict
@@ -23,6 +24,7 @@ from lit_instruct.models.build import ModelOptions, build_trainable_model
 from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
+from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model
 from lit_instruct.train.rng_states import RestoreRNGStates
@@ -202,6 +204,7 @@ class InstructLoRAModule(L.LightningModule):
         self.router_aux_loss = built.router_aux_loss
         self.fused_layers = built.fused_layers
         self.built_on_meta = built.built_on_meta
+        self.initial_adapter = built.initial_adapter
         self.packing = packing
         self.loss_fn: LossFn = resolve_loss(loss)
         self.window = TokenWindow()
@@ -305,10 +308,10 @@ class InstructLoRAModule(L.LightningModule):
         labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
         head = self.lm_head  # peft's wrappers (new tokens' rows, modules_to_save) give what they compute with
         bias = head.bias if hasattr(head, "bias") else None  # the trainable-tokens head computes without one
-        weight, bias = full_tensor(head.weight), full_tensor(bias)  # whole, if FSDP sharded them
+        weight, whole_bias = full_tensor(head.weight), full_tensor(bias)  # whole, if FSDP sharded them
         assert weight is not None
         loss_sum = self.loss_fn(
-            shifted, weight, labels, bias=bias, transform=self.logit_transform, reduction="sum"
+            shifted, weight, labels, bias=whole_bias, transform=self.logit_transform, reduction="sum"
         )
         return loss_sum, num_response_tokens(batch), aux
 
@@ -433,9 +436,18 @@ class InstructLoRAModule(L.LightningModule):
         path = self.adapter_path()  # on every rank: the log directory is broadcast from rank 0
         state = gathered_trainable_state(self.model) if self._sharded else None  # collective
         if self.trainer.is_global_zero:
-            template_of = getattr(getattr(self.trainer, "datamodule", None), "training_chat_template", None)
-            template = template_of() if callable(template_of) else None
-            tokenizer = None
-            if self.hparams.get("added_tokens"):  # the grown vocabulary travels with the adapter
-                tokenizer = base_tokenizer(self.hparams["model"], self.hparams["added_tokens"])
-            self.saved_adapter = save_adapter(self.model, path, state, template, tokenizer)
+            self.saved_adapter = self.write_adapter(path, state)
+
+    def write_adapter(self, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the PEFT adapter to ``path`` (atomically; ``state``: whole tensors gathered from a
+        sharded model) with the chat template the data was rendered with, the grown tokenizer when
+        tokens were added, and as plain LoRA on the original base after a residual init."""
+        template_of = getattr(getattr(self._trainer, "datamodule", None), "training_chat_template", None)
+        template = template_of() if callable(template_of) else None
+        tokenizer = None
+        if self.hparams.get("added_tokens"):  # the grown vocabulary travels with the adapter
+            tokenizer = base_tokenizer(self.hparams["model"], self.hparams["added_tokens"])
+        convert = None
+        if self.initial_adapter is not None:
+            convert = functools.partial(as_plain_lora, initial=self.initial_adapter)
+        return save_adapter(self.model, path, state, template, tokenizer, convert)

@@ -1,0 +1,62 @@
+"""PiSSA and OLoRA: adapters initialised from the base weights, which are replaced by the residual.
+
+At init peft sets ``A0, B0`` from the weight (PiSSA: its top singular vectors, ``pissa_niter_N`` by
+randomized SVD; OLoRA: its QR decomposition) and the base weight becomes ``W - s * B0 @ A0``. The
+trained ``B @ A`` therefore fits only that residual base. Two consequences, both handled here:
+
+* Checkpoints keep the adapter weights only; resuming rebuilds the model, and with it the same
+  residual and ``A0, B0`` (the decompositions are deterministic, ``pissa_niter_N`` under the run's seed).
+* The adapter written for users is converted to plain LoRA on the *original* base, as peft's
+  ``save_pretrained(path_initial_model_for_weight_conversion=...)`` does: ``s * (B @ A - B0 @ A0) =
+  s * [B | -B0] @ [A ; A0]``, rank ``2r`` with alpha doubled (``x sqrt(2)`` with rsLoRA) so that the
+  scale stays ``s``. Merge, GGUF, generation and continuing all read it as any LoRA adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESIDUAL_INIT = re.compile(r"pissa|pissa_niter_\d+|olora")
+
+
+def is_residual_init(init: str) -> bool:
+    """``init`` rewrites the base weights into a residual (PiSSA, OLoRA)."""
+    return RESIDUAL_INIT.fullmatch(init) is not None
+
+
+def initial_adapter(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The adapter weights right after a residual init (``A0, B0``), under their saved names."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+
+
+def as_plain_lora(folder: Path, initial: dict[str, torch.Tensor]) -> None:
+    """Rewrite the adapter saved in ``folder`` (trained from a residual init whose weights were
+    ``initial``) as plain LoRA on the original base (see the module's docstring)."""
+    from safetensors.torch import load_file, save_file
+
+    from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    trained = load_file(folder / ADAPTER_WEIGHTS)
+    converted = {}
+    for name, tensor in trained.items():
+        if ".lora_A." in name:
+            converted[name] = torch.cat([tensor, initial[name].to(tensor)], dim=0)
+        elif ".lora_B." in name:
+            converted[name] = torch.cat([tensor, -initial[name].to(tensor)], dim=1)
+        else:
+            converted[name] = tensor
+    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    config["r"] *= 2
+    config["lora_alpha"] *= 2**0.5 if config.get("use_rslora") else 2
+    config["rank_pattern"] = {key: 2 * rank for key, rank in (config.get("rank_pattern") or {}).items()}
+    config["alpha_pattern"] = {key: 2 * alpha for key, alpha in (config.get("alpha_pattern") or {}).items()}
+    config["init_lora_weights"] = True
+    save_file(converted, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
