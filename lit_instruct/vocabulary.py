@@ -7,12 +7,9 @@ the same ids (:func:`add_tokens`); the model then grows its embedding (and untie
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 from typing import Any, Literal
-
-logger = logging.getLogger("lit_instruct")
 
 NewTokens = list[str] | Literal["auto"] | None
 """``data.new_tokens``: the tokens to add, ``auto`` (the template's markers the tokenizer lacks), or none."""
@@ -36,8 +33,22 @@ def is_one_token(tokenizer: Any, text: str) -> bool:
 
 def template_markers(tokenizer: Any, template: str) -> list[str]:
     """The turn markers ``template`` renders around a plain conversation that ``tokenizer`` does not
-    hold as single tokens, in the order they first appear."""
-    text = tokenizer.apply_chat_template(PROBE, chat_template=template, tokenize=False)
+    hold as single tokens, in the order they first appear (the conversation loses its system turn
+    for a template that refuses one, as Gemma's does).
+
+    Raises:
+        ValueError: when the template renders neither conversation.
+    """
+    try:
+        text = tokenizer.apply_chat_template(PROBE, chat_template=template, tokenize=False)
+    except Exception:  # a template's raise_exception (no system role), or any Jinja error
+        try:
+            text = tokenizer.apply_chat_template(PROBE[1:], chat_template=template, tokenize=False)
+        except Exception as error:
+            raise ValueError(
+                f"data.new_tokens: auto renders a plain conversation to find the chat template's markers, "
+                f"but the template fails on it ({error}): set data.new_tokens to a list, or null"
+            ) from error
     markers = dict.fromkeys(MARKER.findall(text))
     return [marker for marker in markers if not is_one_token(tokenizer, marker)]
 

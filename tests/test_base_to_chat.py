@@ -82,6 +82,13 @@ def test_the_template_markers_a_tokenizer_lacks_are_found(tokenizer, tmp_path) -
     assert resolve_new_tokens(tokenizer, [CHATML_TEMPLATE], "auto") == []  # SmolLM2 holds them
     assert resolve_new_tokens(base, [CHATML_TEMPLATE], None) == []
     assert resolve_new_tokens(base, [CHATML_TEMPLATE], ["<s>", "<|x|>"]) == ["<|x|>"]  # <s>: one already
+    no_system = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+    gemma_like = (
+        no_system + "{% for m in messages %}<start_of_turn>{{ m['content'] }}<end_of_turn>{% endfor %}"
+    )
+    assert resolve_new_tokens(base, [gemma_like], "auto") == ["<start_of_turn>", "<end_of_turn>"]
+    with pytest.raises(ValueError, match=r"set data\.new_tokens to a list"):
+        resolve_new_tokens(base, ["{{ raise_exception('never') }}"], "auto")
 
 
 @pytest.mark.parametrize(
