@@ -103,7 +103,11 @@ def test_dora_on_expert_weights_and_inits_we_cannot_do_are_refused(tiny_model_di
         InstructLoRAModule(model=str(base), lora=LoRAConfig(r=4, use_dora=True))
     with pytest.raises(ValueError, match="adapted through its weight"):
         InstructLoRAModule(model=str(base), lora=LoRAConfig(r=4, init="pissa"))
-    for init, why in (("loftq", "quantizes the base"), ("eva", "data"), ("pissa_niter_", "is not one of")):
+    for init, why in (
+        ("loftq", "quantizes the base"),
+        ("corda", "covariance"),
+        ("pissa_niter_", "is not one of"),
+    ):
         with pytest.raises(ValueError, match=why):
             InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, init=init))
     with pytest.raises(ValueError, match="plain LoRA"):
@@ -306,3 +310,52 @@ def test_a_residual_init_trains_through_lit_instruct_fit(tiny_model_dir, chat_fi
     assert fit(tiny_model_dir, chat_file, tmp_path, *args).trainer.global_step == 2
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert saved["init_lora_weights"] is True and saved["r"] == 2 * 16  # plain LoRA of rank 2r
+
+
+def test_eva_sets_the_adapters_as_peft_does_from_the_training_batches(tiny_model_dir, chat_file) -> None:
+    """The data pass through the trunk gives the A matrices and redistributed ranks peft's own EVA
+    computes from the same batches through the whole model."""
+    from peft import EvaConfig, LoraConfig
+    from peft.tuners.lora.eva import initialize_lora_eva_weights
+
+    from lit_instruct.models.eva_init import within_budget
+
+    module, data = make(tiny_model_dir, chat_file, batch_size=8, lora=LoRAConfig(r=4, alpha=8, init="eva"))
+    data.setup("fit")
+    batches = list(data.train_dataloader())
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights="eva")
+    config.eva_config = EvaConfig()
+    reference = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), config
+    )
+
+    def whole_model(model, b):
+        return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+
+    torch.manual_seed(0)  # the same stopping rule: one pass over the batches at most
+    initialize_lora_eva_weights(reference, batches, forward_fn=within_budget(whole_model, len(batches)))
+    torch.manual_seed(0)
+    module.initialise_eva(batches)
+    ours = {n: p for n, p in module.model.named_parameters() if "lora_A" in n}
+    theirs = dict(reference.named_parameters())
+    assert {n: p.shape[0] for n, p in ours.items()} == {n: theirs[n].shape[0] for n in ours}
+    assert len({p.shape[0] for p in ours.values()}) > 1  # ranks redistributed
+    for name, weight in ours.items():
+        torch.testing.assert_close(
+            weight, theirs[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    assert module.fused_layers is not None and module.model.peft_config["default"].rank_pattern
+
+
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_eva_trains_through_lit_instruct_fit(packing, tiny_model_dir, chat_file, tmp_path) -> None:
+    from tests.test_config_swaps import fit
+
+    args = ["--model.lora.init", "eva", "--model.lora.r", "2", "--data.batch_size", "4"]  # >= r * rho tokens
+    args += ["--data.packing", packing, "--model.adapter_dir", str(tmp_path / "adapter")]
+    assert fit(tiny_model_dir, chat_file, tmp_path, *args).trainer.global_step == 2
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["init_lora_weights"] == "eva" and saved["rank_pattern"]
+    from lit_instruct.export.adapter import merged_model
+
+    merged_model(tmp_path / "adapter")  # peft loads it as any adapter (no data pass)

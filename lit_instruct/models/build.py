@@ -89,9 +89,9 @@ def build_trainable_model(
     residual = is_residual_init(lora.init)
     if options.adapter is not None and lora.init != "default":
         raise ValueError("model.lora.init initialises new adapters; model.adapter continues a trained one")
-    if residual and (quantization.method != "none" or low_memory_ranks):
+    if (residual or lora.init == "eva") and (quantization.method != "none" or low_memory_ranks):
         raise ValueError(
-            f"model.lora.init: {lora.init} decomposes the full-precision base weights: not with "
+            f"model.lora.init: {lora.init} decomposes full-precision weights or layer inputs: not with "
             "model.quantization (LoftQ would be the QLoRA init) or model.low_memory_load"
         )
     base: Any = load_base_model(
@@ -122,7 +122,8 @@ def build_trainable_model(
         peft_model = attach_lora(base, lora, not low_memory_ranks, trainable)  # the same on every rank
     peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
     initial = initial_adapter(peft_model) if residual else None
-    fused = fuse_lora(peft_model, check=not on_meta) if options.fuse_lora else None
+    fuse_now = options.fuse_lora and lora.init != "eva"  # EVA's data pass hooks peft's own layers first
+    fused = fuse_lora(peft_model, check=not on_meta) if fuse_now else None
     if fused is not None and lora.use_dora:
         logger.info("fused LoRA: the DoRA layers run peft's own forward (their fused form is not written)")
     if quantization.method != "none":  # the build checks above ran eval forwards on it

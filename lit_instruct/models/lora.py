@@ -44,7 +44,8 @@ class LoRAConfig:
     with std 1/r), ``pissa`` / ``pissa_niter_N`` (the weight's top singular vectors, exact or by N
     randomized-SVD iterations) or ``olora`` (its QR decomposition): these two train on the residual
     base and save plain LoRA of rank 2r on the original one (:mod:`lit_instruct.models.residual_init`).
-    LoftQ, CorDA and EVA are refused (they need a quantizing init or a data pass)."""
+    ``eva``: A from the training data's layer inputs, ranks redistributed (peft's EVA, run when the
+    fit starts: :mod:`lit_instruct.models.eva_init`). LoftQ and CorDA are refused."""
     layers_to_transform: list[int] | None = None
     """Only these decoder layers (by index) get adapters."""
     rank_pattern: dict[str, int] = field(default_factory=dict)
@@ -63,11 +64,10 @@ class LoRAConfig:
     the coverage line); otherwise that is an error at build."""
 
 
-INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora")
+INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "eva")
 REFUSED_INITS = {
     "loftq": "quantizes the base while it initialises (QLoRA bases), which lit-instruct does not do yet",
-    "corda": "needs a pass over the training data at build, which lit-instruct does not do yet",
-    "eva": "needs a pass over the training data at build, which lit-instruct does not do yet",
+    "corda": "needs its own covariance pass with peft's preprocessing, which lit-instruct does not do yet",
 }
 
 
@@ -102,12 +102,14 @@ def attach_lora(
     asked (:mod:`lit_instruct.models.lora_targets`): a shortfall raises unless ``lora.allow_partial``; the
     result is the returned model's ``lora_coverage``. ``probe``: see :func:`lora_targets`.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import EvaConfig, LoraConfig, get_peft_model
 
     residual = is_residual_init(lora.init)
-    if lora.init not in ("default", "gaussian") and not residual:
+    if lora.init not in ("default", "gaussian", "eva") and not residual:
         why = REFUSED_INITS.get(lora.init, f"is not one of {INITS}")
         raise ValueError(f"model.lora.init: {lora.init!r} {why}")
+    if lora.init == "eva" and lora.use_dora:
+        raise ValueError("model.lora.init: eva with DoRA: peft's EVA sets plain LoRA layers only")
     if residual and (lora.use_dora or (lora.use_rslora and (lora.rank_pattern or lora.alpha_pattern))):
         raise ValueError(
             f"model.lora.init: {lora.init} with DoRA, or rsLoRA with rank/alpha patterns: its adapter could "
@@ -123,7 +125,7 @@ def attach_lora(
             "weight (expert weights, or layers peft would rename into them), which peft's DoRA cannot do: "
             "name the dense layers in model.lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
         )
-    if by_weight and residual:
+    if by_weight and (residual or lora.init == "eva"):
         raise ValueError(
             f"model.lora.init: {lora.init} on {by_weight[0]} (and {len(by_weight) - 1} more), adapted "
             "through its weight (expert weights): name the dense layers in model.lora.target_modules"
@@ -143,6 +145,7 @@ def attach_lora(
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
         init_lora_weights=True if lora.init == "default" else lora.init,  # type: ignore[arg-type]
+        eva_config=EvaConfig() if lora.init == "eva" else None,
         layers_to_transform=lora.layers_to_transform,
         rank_pattern=lora.rank_pattern,
         alpha_pattern=lora.alpha_pattern,

@@ -22,6 +22,8 @@ from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.models.build import ModelOptions, build_trainable_model
 from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.eva_init import initialise_eva
+from lit_instruct.models.fused_lora import fuse_lora
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.models.residual_init import as_plain_lora
@@ -205,6 +207,7 @@ class InstructLoRAModule(L.LightningModule):
         self.fused_layers = built.fused_layers
         self.built_on_meta = built.built_on_meta
         self.initial_adapter = built.initial_adapter
+        self.eva_pending = self.lora_config.init == "eva" and adapter is None
         self.packing = packing
         self.loss_fn: LossFn = resolve_loss(loss)
         self.window = TokenWindow()
@@ -237,6 +240,8 @@ class InstructLoRAModule(L.LightningModule):
                 "data.packing is on but the model was built without packing: pass "
                 "InstructLoRAModule(packing=True) (the CLI links data.packing to model.packing)"
             )
+        if self.eva_pending and stage == "fit":
+            self._initialise_eva(datamodule)
         new_token_list = getattr(datamodule, "new_token_list", None)
         added = new_token_list() if callable(new_token_list) else None
         if added is not None and added != (self.hparams.get("added_tokens") or []):
@@ -245,6 +250,22 @@ class InstructLoRAModule(L.LightningModule):
                 f"added_tokens={self.hparams.get('added_tokens')}: pass InstructLoRAModule(added_tokens="
                 "datamodule.new_token_list()) (the CLI links them)"
             )
+
+    def _initialise_eva(self, datamodule: Any) -> None:
+        """``lora.init: eva``: set the adapters from the training batches (on the training device, before
+        the optimizer exists: the ranks may change), then fuse the LoRA layers."""
+        if datamodule is None or not hasattr(datamodule, "train_dataloader"):
+            raise ValueError("model.lora.init: eva needs a datamodule: its training batches set the adapters")
+        self.model.to(self.trainer.strategy.root_device)  # peft moves each batch to the model's device
+        self.initialise_eva(list(datamodule.train_dataloader()))
+
+    def initialise_eva(self, batches: list[dict[str, Any]]) -> None:
+        """Set the adapters of a ``lora.init: eva`` model from ``batches`` (peft's EVA through the
+        trunk), then fuse the LoRA layers."""
+        initialise_eva(self.model, batches, self.trunk)
+        if self.hparams["fuse_lora"]:
+            self.fused_layers = fuse_lora(self.model)
+        self.eva_pending = False
 
     def configure_model(self) -> None:
         """Under a strategy with a device mesh (``fused_ce_fsdp``, Lightning's ``ModelParallelStrategy``):
