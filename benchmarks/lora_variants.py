@@ -3,8 +3,8 @@ after N optimizer steps, trainable parameters, mean step time.
 
 SmolLM2-135M-Instruct, fp32, LoRA r=16 alpha=32 on all linear layers, the chatterbot corpus (all
 categories, 10% held out, max length 256), batch 8, LR 1e-3 with 5 warmup steps then cosine, seed 0:
-plain LoRA, rsLoRA, DoRA, LoRA+ (B at 16x), gaussian init, PiSSA and OLoRA; the same samples in the
-same order.
+plain LoRA, rsLoRA, DoRA, LoRA+ (B at 16x), gaussian init, PiSSA, OLoRA and EVA; the same samples in
+the same order.
 
     python benchmarks/lora_variants.py --steps 30     # about 10 min on 2 cores
 """
@@ -26,6 +26,7 @@ VARIANTS = {
     "gaussian init": {"init": "gaussian"},
     "pissa": {"init": "pissa"},
     "olora": {"init": "olora"},
+    "eva": {"init": "eva"},
 }
 
 
