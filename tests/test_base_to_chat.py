@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 import transformers
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lit_instruct import InstructDataModule, InstructLoRAModule
 from lit_instruct.data.templates import CHATML_TEMPLATE
 from lit_instruct.vocabulary import resolve_new_tokens
+from tests.helpers import trainer
 from tests.sentencepiece_vocab import sentencepiece_tokenizer
 
 CHATML_MARKERS = ["<|im_start|>", "<|im_end|>"]
@@ -52,17 +52,6 @@ def conversations(path: Path) -> Path:
 def data_module(base: Path, data: Path, **kwargs) -> InstructDataModule:
     settings = {"chat_template": "chatml", "batch_size": 8, "max_seq_len": 64, "val_fraction": 0.0}
     return InstructDataModule(tokenizer=str(base), train_files=[str(data)], cache=False, **settings | kwargs)
-
-
-def trainer(folder: Path, steps: int) -> L.Trainer:
-    return L.Trainer(
-        max_steps=steps,
-        default_root_dir=folder,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
 
 
 def end_probability(module: InstructLoRAModule, batch: dict) -> float:
@@ -112,7 +101,7 @@ def test_a_base_model_learns_to_end_its_answers_and_exports_them(tied, modules_t
     batch = next(iter(data.train_dataloader()))
     assert int((batch["labels"] == 401).sum()) == 8  # each answer ends with <|im_end|>, a trained label
     before = end_probability(module, batch)
-    trainer(tmp_path, 12).fit(module, datamodule=data)
+    trainer(tmp_path, max_steps=12).fit(module, datamodule=data)
     after = end_probability(module, batch)
     assert after > 5 * before and after > 0.2, (before, after)
 
@@ -142,7 +131,7 @@ def test_the_gguf_of_a_grown_vocabulary_holds_the_new_tokens(tmp_path) -> None:
     base = base_model(tmp_path / "base")
     data = data_module(base, conversations(tmp_path / "chat.jsonl"))
     module = InstructLoRAModule(model=str(base), lora={"r": 4}, added_tokens=data.new_token_list())
-    trainer(tmp_path, 1).fit(module, datamodule=data)
+    trainer(tmp_path, max_steps=1).fit(module, datamodule=data)
     metadata, tensors = contents(export_gguf(module.saved_adapter, tmp_path / "chat.gguf", "f32"))
     tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
     assert tokens[400:] == CHATML_MARKERS and types[400:] == [3, 3]  # control tokens
@@ -158,7 +147,7 @@ def test_data_and_model_disagreeing_on_new_tokens_is_an_error(tmp_path) -> None:
     data = data_module(base, conversations(tmp_path / "chat.jsonl"))
     module = InstructLoRAModule(model=str(base), lora={"r": 4})
     with pytest.raises(ValueError, match="adds the tokens"):
-        trainer(tmp_path, 1).fit(module, datamodule=data)
+        trainer(tmp_path, max_steps=1).fit(module, datamodule=data)
 
 
 def test_base_to_chat_yaml_links_the_data_tokens_to_the_model(tmp_path) -> None:
