@@ -104,7 +104,7 @@ def test_dora_on_expert_weights_and_inits_we_cannot_do_are_refused(tiny_model_di
     with pytest.raises(ValueError, match="adapted through its weight"):
         InstructLoRAModule(model=str(base), lora=LoRAConfig(r=4, init="pissa"))
     for init, why in (
-        ("loftq", "quantizes the base"),
+        ("loftq", "NF4 base"),
         ("corda", "covariance"),
         ("pissa_niter_", "is not one of"),
     ):

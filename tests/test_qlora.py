@@ -320,3 +320,49 @@ def test_each_rank_quantizes_onto_its_own_device() -> None:
     ]
     with pytest.raises(ValueError, match="LOCAL_RANK=2 but only 2 CUDA devices"):
         quantization_device({"LOCAL_RANK": "2"}, cuda_devices=2)
+
+
+@needs_bitsandbytes
+def test_loftq_adapters_are_the_best_rank_r_fit_of_the_quantization_error(
+    tiny_model_dir, chat_file, tokenizer, tmp_path
+) -> None:
+    """``init: loftq`` on an NF4 base: each ``s * B @ A`` is the best rank-r approximation of
+    ``W - NF4(W)`` (its error is the norm of the dropped singular values: Eckart-Young), so the 4-bit
+    model with its adapters is closer to the full-precision one; then it trains."""
+    from bitsandbytes.functional import dequantize_4bit
+    from peft.tuners.lora import Linear4bit
+    from safetensors.torch import load_file
+
+    from lit_instruct.models.lora import LoRAConfig
+
+    module, data = make(
+        tiny_model_dir, chat_file, lora=LoRAConfig(r=4, alpha=8, init="loftq"), quantization=NF4_FP32
+    )
+    full = load_file(tiny_model_dir / "model.safetensors")
+    layers = [(n, m) for n, m in module.model.named_modules() if isinstance(m, Linear4bit)]
+    assert len(layers) == 14
+    for name, layer in layers:
+        error = full[name.removeprefix("base_model.model.") + ".weight"] - dequantize_4bit(
+            layer.weight.data, layer.weight.quant_state
+        )
+        fitted = layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+        dropped = torch.linalg.svdvals(error)[4:]
+        torch.testing.assert_close(
+            torch.linalg.matrix_norm(error - fitted), dropped.norm(), rtol=1e-4, atol=1e-6
+        )
+    batch = batch_of(tokenizer)
+    with torch.no_grad():
+        reference = load_base_model(str(tiny_model_dir)).eval()(**batch).logits
+        loftq = module.model.eval()(**batch).logits
+        plain = load_base_model(str(tiny_model_dir), quantization=NF4_FP32).eval()(**batch).logits
+    assert (loftq - reference).abs().mean() < (plain - reference).abs().mean()  # quantization error absorbed
+    trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module.train(), datamodule=data)
+
+
+@needs_bitsandbytes
+def test_loftq_trains_through_lit_instruct_fit(tiny_model_dir, chat_file, tmp_path) -> None:
+    from tests.test_config_swaps import fit
+
+    args = ["--model.lora.init", "loftq", "--model.quantization.method", "nf4"]
+    args += ["--model.quantization.compute_dtype", "float32"]
+    assert fit(tiny_model_dir, chat_file, tmp_path, *args).trainer.global_step == 2

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lit_instruct.loss.logits import LogitTransform
+from lit_instruct.models import resolve_model_path
 from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.four_bit import check_training_layout
 from lit_instruct.models.fused_lora import FusedLayers, fuse_lora
@@ -25,7 +26,7 @@ from lit_instruct.models.moe import RouterAuxLoss
 from lit_instruct.models.new_tokens import grow_embeddings, trainable_token_indices
 from lit_instruct.models.output_head import output_head
 from lit_instruct.models.packing import enable_packing
-from lit_instruct.models.residual_init import initial_adapter, is_residual_init
+from lit_instruct.models.residual_init import initial_adapter, is_residual_init, loftq_initialise
 from lit_instruct.vocabulary import base_tokenizer
 
 logger = logging.getLogger("lit_instruct")
@@ -94,6 +95,8 @@ def build_trainable_model(
             f"model.lora.init: {lora.init} decomposes full-precision weights or layer inputs: not with "
             "model.quantization (LoftQ would be the QLoRA init) or model.low_memory_load"
         )
+    if lora.init == "loftq" and (quantization.method != "nf4" or low_memory_ranks):
+        raise ValueError("model.lora.init: loftq initialises adapters for an NF4 base (model.quantization)")
     base: Any = load_base_model(
         options.model,
         options.dtype,
@@ -122,12 +125,20 @@ def build_trainable_model(
         peft_model = attach_lora(base, lora, not low_memory_ranks, trainable)  # the same on every rank
     peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
     initial = initial_adapter(peft_model) if residual else None
+    if lora.init == "loftq":
+        if quantization.method != "nf4" or on_meta:
+            raise ValueError(
+                "model.lora.init: loftq initialises adapters for an NF4 base: set model.quantization"
+            )
+        loftq_initialise(peft_model, resolve_model_path(options.model))
     fuse_now = options.fuse_lora and lora.init != "eva"  # EVA's data pass hooks peft's own layers first
     fused = fuse_lora(peft_model, check=not on_meta) if fuse_now else None
     if fused is not None and lora.use_dora:
         logger.info("fused LoRA: the DoRA layers run peft's own forward (their fused form is not written)")
     if quantization.method != "none":  # the build checks above ran eval forwards on it
         check_training_layout(peft_model, getattr(torch, quantization.compute_dtype))
+    if lora.init == "loftq":  # on the training layout: it dequantizes the 4-bit weights
+        loftq_initialise(peft_model, resolve_model_path(options.model))
     if options.gradient_checkpointing:  # non-reentrant: works with a frozen embedding, no input-grad hooks
         base.gradient_checkpointing_enable({"use_reentrant": False})
         if options.checkpoint_layers is not None:

@@ -64,9 +64,8 @@ class LoRAConfig:
     the coverage line); otherwise that is an error at build."""
 
 
-INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "eva")
+INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "eva", "loftq")
 REFUSED_INITS = {
-    "loftq": "quantizes the base while it initialises (QLoRA bases), which lit-instruct does not do yet",
     "corda": "needs its own covariance pass with peft's preprocessing, which lit-instruct does not do yet",
 }
 
@@ -105,7 +104,7 @@ def attach_lora(
     from peft import EvaConfig, LoraConfig, get_peft_model
 
     residual = is_residual_init(lora.init)
-    if lora.init not in ("default", "gaussian", "eva") and not residual:
+    if lora.init not in ("default", "gaussian", "eva", "loftq") and not residual:
         why = REFUSED_INITS.get(lora.init, f"is not one of {INITS}")
         raise ValueError(f"model.lora.init: {lora.init!r} {why}")
     if lora.init == "eva" and lora.use_dora:
@@ -144,7 +143,7 @@ def attach_lora(
         target_parameters=targets.peft_parameters or None,
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
-        init_lora_weights=True if lora.init == "default" else lora.init,  # type: ignore[arg-type]
+        init_lora_weights=True if lora.init in ("default", "loftq") else lora.init,  # type: ignore[arg-type]
         eva_config=EvaConfig() if lora.init == "eva" else None,
         layers_to_transform=lora.layers_to_transform,
         rank_pattern=lora.rank_pattern,

@@ -60,3 +60,34 @@ def as_plain_lora(folder: Path, initial: dict[str, torch.Tensor]) -> None:
     config["init_lora_weights"] = True
     save_file(converted, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def loftq_initialise(peft_model: Any, model_folder: str) -> None:
+    """LoftQ on an NF4 base: each adapter set so that ``NF4(W) + s * B @ A`` is closest to the
+    full-precision ``W`` (read from ``model_folder``'s safetensors): ``s * B @ A`` the best rank-r
+    approximation of the quantization error ``W - NF4(W)`` (one step, as peft's
+    ``replace_lora_weights_loftq``, which runs on CUDA only; here the scale ``s`` is divided out, so the
+    approximation holds for any alpha). The base stays quantized; the adapter is plain LoRA for it."""
+    from bitsandbytes.functional import dequantize_4bit
+    from peft.tuners.lora import Linear4bit
+    from safetensors import safe_open
+
+    files = {}
+    for path in Path(model_folder).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as handle:
+            files |= dict.fromkeys(handle.keys(), path)
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, Linear4bit):
+            continue
+        key = name.removeprefix("base_model.model.") + ".weight"
+        if key not in files:
+            raise ValueError(f"model.lora.init: loftq needs {key} in {model_folder}'s safetensors files")
+        with safe_open(str(files[key]), "pt") as handle:
+            full = handle.get_tensor(key).float()
+        quantized = dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+        u, s, vh = torch.linalg.svd(full - quantized.to(full.device), full_matrices=False)
+        r, scale = module.r["default"], module.scaling["default"]
+        root = (s[:r] / scale).sqrt()
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        a.data = (root[:, None] * vh[:r]).to(a)
+        b.data = (u[:, :r] * root).to(b)
