@@ -45,7 +45,8 @@ class LoRAConfig:
     randomized-SVD iterations) or ``olora`` (its QR decomposition): these two train on the residual
     base and save plain LoRA of rank 2r on the original one (:mod:`lit_instruct.models.residual_init`).
     ``eva``: A from the training data's layer inputs, ranks redistributed (peft's EVA, run when the
-    fit starts: :mod:`lit_instruct.models.eva_init`). LoftQ and CorDA are refused."""
+    fit starts: :mod:`lit_instruct.models.eva_init`); ``loftq`` (NF4 bases: the quantization error's
+    best rank-r fit). CorDA is refused."""
     layers_to_transform: list[int] | None = None
     """Only these decoder layers (by index) get adapters."""
     rank_pattern: dict[str, int] = field(default_factory=dict)
