@@ -72,7 +72,7 @@ def loftq_initialise(peft_model: Any, model_folder: str) -> None:
     from peft.tuners.lora import Linear4bit
     from safetensors import safe_open
 
-    files = {}
+    files: dict[str, Path] = {}
     for path in Path(model_folder).glob("*.safetensors"):
         with safe_open(str(path), "pt") as handle:
             files |= dict.fromkeys(handle.keys(), path)
