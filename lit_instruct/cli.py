@@ -280,7 +280,9 @@ def generate_main(argv: list[str]) -> None:
     from lit_instruct.infer.generate import generate, load_for_generation
 
     parser = argparse.ArgumentParser(prog="lit-instruct generate", description=generate_main.__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, folder or hub id")
+    parser.add_argument(
+        "--model", help="bundled name, folder or hub id (default: the adapter's base, else SmolLM2)"
+    )
     parser.add_argument("--adapter", help="PEFT adapter folder to apply")
     parser.add_argument("--prompt", required=True, help="the user message")
     parser.add_argument("--system", help="a system message to put first")
@@ -343,7 +345,9 @@ def chat_main(argv: list[str]) -> None:
     from lit_instruct.infer.generate import load_for_generation
 
     parser = argparse.ArgumentParser(prog="lit-instruct chat", description=chat_main.__doc__)
-    parser.add_argument("--model", default="smollm2-135m-instruct", help="bundled name, folder or hub id")
+    parser.add_argument(
+        "--model", help="bundled name, folder or hub id (default: the adapter's base, else SmolLM2)"
+    )
     parser.add_argument("--adapter", help="PEFT adapter folder to apply")
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)

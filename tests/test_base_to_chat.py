@@ -162,3 +162,15 @@ def test_base_to_chat_yaml_links_the_data_tokens_to_the_model(tmp_path) -> None:
     main(args)
     grown = AutoTokenizer.from_pretrained(tmp_path / "run" / "adapter")
     assert grown.convert_ids_to_tokens([400, 401]) == CHATML_MARKERS
+    # the fit's "try it" line: generate finds the adapter's base and grows its rows
+    main(
+        [
+            "generate",
+            "--adapter",
+            str(tmp_path / "run" / "adapter"),
+            "--prompt",
+            "Hi?",
+            "--max-new-tokens",
+            "3",
+        ]
+    )
