@@ -69,9 +69,8 @@ class AdapterCheckpoint(ModelCheckpoint):
             stat = os.stat(path)
             if self._adapters.get(path) != (stat.st_ino, stat.st_mtime_ns):
                 module = trainer.lightning_module
-                write = getattr(
-                    module, "write_adapter", None
-                )  # template, tokenizer, residual-init conversion
+                # InstructLoRAModule's writer adds the template, a grown tokenizer, a residual-init conversion
+                write = getattr(module, "write_adapter", None)
                 if callable(write):
                     write(self.adapter_dir(path))
                 else:

@@ -374,14 +374,15 @@ def export_gguf(
 
     model, tokenizer = merged_model(adapter, base)
     _check_supported(model.config)  # refusals before any writing
-    base_folder = resolve_model_path(adapter_base(adapter, base))
-    sentencepiece = sentencepiece_file(tokenizer, (base_folder,)) if is_sentencepiece(tokenizer) else None
+    base_name = adapter_base(adapter, base)
+    folders = (resolve_model_path(base_name),)
+    sentencepiece = sentencepiece_file(tokenizer, folders) if is_sentencepiece(tokenizer) else None
     template = resolve_chat_template(tokenizer, adapter_chat_template(adapter, chat_template))
     if ollama:
         ollama_format(tokenizer, template)
     folder = Path(adapter).resolve()
     label = folder.parent.name if folder.name == "adapter" else folder.name
-    name = f"{Path(adapter_base(adapter, base)).name}-{label}"
+    name = f"{Path(base_name).name}-{label}"
     written = write_gguf(model, tokenizer, out, quant, template, tokenizer_pre, name, sentencepiece)
     if ollama:
         write_modelfile(written, tokenizer, template)

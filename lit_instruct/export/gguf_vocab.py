@@ -125,8 +125,11 @@ def add_space_prefix(model_file: Path) -> bool:
     return bool(proto.normalizer_spec.add_dummy_prefix)
 
 
-def byte_level_vocabulary(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
-    """Tokens, types (control for special tokens, user-defined for other added ones) and merges."""
+def byte_level_vocabulary(
+    tokenizer: Any, model: dict[str, Any], vocab_size: int
+) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, types (control for special tokens, user-defined for other added ones) and merges
+    (``model``: the ``model`` section of the tokenizer's ``tokenizer.json``)."""
     import gguf
 
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
@@ -139,7 +142,7 @@ def byte_level_vocabulary(tokenizer: Any, vocab_size: int) -> tuple[list[str], l
     ]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # embedding rows past the vocabulary
     types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_model(tokenizer)["merges"]]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     return tokens, [int(t) for t in types], merges
 
 
@@ -161,10 +164,11 @@ def write_vocabulary(
     Raises:
         ValueError: for a vocabulary llama.cpp would tokenize differently (see the module's docstring).
     """
-    model = tokenizer_model(tokenizer)
+    model = tokenizer_model(tokenizer)  # serialised once: a large vocabulary takes a while
     if model.get("type") != "BPE":
         raise ValueError(f"GGUF export writes BPE tokenizers, not {model.get('type')!r}")
-    if is_sentencepiece(tokenizer):
+    sentencepiece_vocab = bool(model.get("byte_fallback"))  # as is_sentencepiece decides
+    if sentencepiece_vocab:
         model_file = sentencepiece or sentencepiece_file(tokenizer)
         space_prefix = add_space_prefix(model_file)
         vocabulary = sentencepiece_vocabulary(model_file, tokenizer, config.vocab_size, plain_added)
@@ -183,7 +187,7 @@ def write_vocabulary(
                 f"unknown pre-tokenizer for a {config.model_type} vocabulary of {config.vocab_size}: pass "
                 "tokenizer_pre (llama.cpp's name for it, e.g. llama-bpe, qwen2, smollm)"
             )
-        tokens, byte_types, merges = byte_level_vocabulary(tokenizer, config.vocab_size)
+        tokens, byte_types, merges = byte_level_vocabulary(tokenizer, model, config.vocab_size)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(name)
         writer.add_token_list(tokens)
@@ -195,7 +199,7 @@ def write_vocabulary(
             value = getattr(config, f"{key}_token_id")
         if value is not None and value < config.vocab_size:
             getattr(writer, f"add_{key}_token_id")(value)
-    if is_sentencepiece(tokenizer):  # what encoding a text adds, as llama.cpp's tokenizer will
+    if sentencepiece_vocab:  # what encoding a text adds, as llama.cpp's tokenizer will
         ids = tokenizer("a").input_ids
         writer.add_add_bos_token(ids[0] == tokenizer.bos_token_id)
         writer.add_add_eos_token(ids[-1] == tokenizer.eos_token_id)

@@ -125,12 +125,6 @@ def build_trainable_model(
         peft_model = attach_lora(base, lora, not low_memory_ranks, trainable)  # the same on every rank
     peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
     initial = initial_adapter(peft_model) if residual else None
-    if lora.init == "loftq":
-        if quantization.method != "nf4" or on_meta:
-            raise ValueError(
-                "model.lora.init: loftq initialises adapters for an NF4 base: set model.quantization"
-            )
-        loftq_initialise(peft_model, resolve_model_path(options.model))
     fuse_now = options.fuse_lora and lora.init != "eva"  # EVA's data pass hooks peft's own layers first
     fused = fuse_lora(peft_model, check=not on_meta) if fuse_now else None
     if fused is not None and lora.use_dora:
