@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -19,7 +20,9 @@ from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
+from lit_instruct.errors import ConfigError
 from lit_instruct.io import adapter_chat_template
+from lit_instruct.preflight import check_config
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.module import InstructLoRAModule
@@ -86,9 +89,16 @@ class InstructCLI(LightningCLI):
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )
 
+    def subcommand_config(self) -> dict[str, Any]:
+        """The parsed config of the subcommand being run, as plain data."""
+        return (self.config[self.subcommand] if self.subcommand else self.config).as_dict()
+
     def instantiate_classes(self) -> None:
-        """The data first (on the launching process: the other ranks read it from the cache or in
-        their own setup), then the model, the datamodule (handed the checked samples) and the Trainer."""
+        """The config checked (:mod:`lit_instruct.preflight`: values, pairs of settings, the model's
+        structure on its skeleton, no weights), the data (on the launching process: the other ranks
+        read it from the cache or in their own setup), then the model, the datamodule (handed the
+        checked samples) and the Trainer."""
+        self.model_plan = check_config(self.subcommand_config())
         checked = None
         if self.subcommand == "fit" and launched_rank() == 0:
             checked = self.data_module()
@@ -378,14 +388,27 @@ def _added_tokens(data: InstructDataModule) -> list[str]:
     return data.new_token_list()
 
 
+DEBUG_ENV = "LIT_INSTRUCT_DEBUG"
+"""Set (to anything but ``0`` or empty), a user's mistake shows its traceback too, as ``--debug`` does."""
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``lit-instruct`` command."""
-    command = sys.argv[1:] if argv is None else argv
+    """Entry point of the ``lit-instruct`` command. A user's mistake (a setting, a data record) ends
+    with exit status 2 and one line naming it; ``--debug`` (or ``LIT_INSTRUCT_DEBUG=1``) shows the
+    traceback as well."""
+    command = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in command or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    command = [arg for arg in command if arg != "--debug"]
     try:
         if command[:1] and command[0] in COMMANDS:
             COMMANDS[command[0]](command[1:])
         else:
-            InstructCLI(args=argv)
-    except DataError as error:  # the file, line and field say it all: no traceback
-        sys.stderr.write(f"lit-instruct: data error: {error}\n")
+            with warnings.catch_warnings():  # args are given (``--debug`` left out) while sys.argv has some
+                warnings.filterwarnings("ignore", "LightningCLI's args parameter")
+                InstructCLI(args=command)
+    except (ConfigError, DataError) as error:  # the setting or the file, line and field say it all
+        if debug:
+            raise
+        kind = "config" if isinstance(error, ConfigError) else "data"
+        sys.stderr.write(f"lit-instruct: {kind} error: {error}\n")
         raise SystemExit(2) from None

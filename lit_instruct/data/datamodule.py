@@ -18,9 +18,10 @@ from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
-from lit_instruct.data.templates import resolve_chat_template
+from lit_instruct.data.templates import resolve_chat_template, template_text
 from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
+from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir
 from lit_instruct.vocabulary import NewTokens, add_tokens, base_tokenizer, resolve_new_tokens
 
@@ -154,12 +155,13 @@ class InstructDataModule(L.LightningDataModule):
         if chatterbot_categories:
             self.sources.append(DataSource(CHATTERBOT + ",".join(chatterbot_categories)))
         if not (self.sources or val_files or val_sources):
-            raise ValueError(
-                "InstructDataModule needs data: set sources, train_files or chatterbot_categories "
-                "(or only val_files, to validate)"
+            raise ConfigError(
+                "data.sources",
+                "no data given: set sources, train_files or chatterbot_categories (or only val_files, "
+                "to validate)",
             )
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise ConfigError("data.val_fraction", f"must be in [0, 1), got {val_fraction}")
         self.save_hyperparameters()
         self.tokenizer_name = tokenizer
         self.val_sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in val_sources or []]
@@ -171,7 +173,7 @@ class InstructDataModule(L.LightningDataModule):
             max_seq_len=max_seq_len,
             multi_turn=multi_turn,
             train_on=train_on,
-            chat_template=chat_template,
+            chat_template=template_text(chat_template),
             val_fraction=val_fraction,
             split_seed=split_seed,
             deduplicate=deduplicate,

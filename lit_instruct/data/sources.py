@@ -22,6 +22,8 @@ from typing import Any
 
 from lit_instruct.data.chatterbot import corpus_dir, read_chatterbot
 from lit_instruct.data.records import DataError, Record, RecordFormat, to_record
+from lit_instruct.data.templates import template_text
+from lit_instruct.errors import ConfigError
 from lit_instruct.network import reachable
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
@@ -63,11 +65,12 @@ class DataSource:
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
-            raise ValueError(f"data source {self.path}: weight must be > 0, got {self.weight}")
+            raise ConfigError("data.sources", f"{self.path}: weight must be > 0, got {self.weight}")
         if self.val_fraction is not None and not 0.0 <= self.val_fraction < 1.0:
-            raise ValueError(
-                f"data source {self.path}: val_fraction must be in [0, 1), got {self.val_fraction}"
+            raise ConfigError(
+                "data.sources", f"{self.path}: val_fraction must be in [0, 1), got {self.val_fraction}"
             )
+        self.chat_template = template_text(self.chat_template, f"data.sources: {self.path}: chat_template")
         if self.name is None and self.path.startswith(CHATTERBOT):
             self.name = "chatterbot"
         if self.name is None:

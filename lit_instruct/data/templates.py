@@ -1,6 +1,6 @@
 """Chat templates lit-instruct ships, and which template renders a conversation.
 
-``data.chat_template`` takes a Jinja template, or the name of one of these:
+``data.chat_template`` takes a Jinja template, a file holding one, or the name of one of these:
 
 * ``alpaca``: the alpaca prompt (``### Instruction:`` / ``### Response:``), for tokenizers without a
   template.
@@ -14,7 +14,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from lit_instruct.errors import ConfigError
 
 ALPACA_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -94,3 +97,22 @@ def resolve_chat_template(tokenizer: Any, override: str | None = None) -> str:
             f"data.chat_template to a Jinja chat template or one of {sorted(BUILTIN_TEMPLATES)}"
         )
     return template
+
+
+def template_text(value: str | None, setting: str = "data.chat_template") -> str | None:
+    """A chat template setting as the renderers take it: Jinja text and built-in names as they are,
+    a file's path as the file's text.
+
+    Raises:
+        ConfigError: ``value`` is neither Jinja (no ``{{`` or ``{%``), nor a built-in name, nor a file.
+    """
+    if value is None or value in BUILTIN_TEMPLATES or "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if len(value) < 4096 and path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise ConfigError(
+        setting,
+        f"{value!r} is no file, no Jinja template (it has no {{{{ or {{%) and no built-in template "
+        f"({', '.join(sorted(BUILTIN_TEMPLATES))})",
+    )

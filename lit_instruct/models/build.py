@@ -10,11 +10,12 @@ first runs on the model the earlier steps built. A rank that builds on the meta 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from lit_instruct.errors import ConfigError
 from lit_instruct.loss.logits import LogitTransform
 from lit_instruct.models import resolve_model_path
 from lit_instruct.models.decoder import decoder_of
@@ -27,6 +28,7 @@ from lit_instruct.models.new_tokens import grow_embeddings, trainable_token_indi
 from lit_instruct.models.output_head import output_head
 from lit_instruct.models.packing import enable_packing
 from lit_instruct.models.residual_init import initial_adapter, is_residual_init, loftq_initialise
+from lit_instruct.rules import check_values, flatten, refuse_conflicts
 from lit_instruct.vocabulary import base_tokenizer
 
 logger = logging.getLogger("lit_instruct")
@@ -69,6 +71,17 @@ class TrainableModel:
     """A residual init's (PiSSA, OLoRA) adapter weights at init: the saved adapter is converted with them."""
 
 
+def check_model_settings(
+    options: ModelOptions, lora: LoRAConfig, quantization: QuantizationConfig, low_memory_load: bool = False
+) -> None:
+    """Refuse values and pairs of model settings that cannot work (:mod:`lit_instruct.rules`), before
+    any weights are read."""
+    model = {**asdict(options), "lora": asdict(lora), "quantization": asdict(quantization)}
+    settings = flatten({"model": {**model, "low_memory_load": low_memory_load}})
+    check_values(settings)
+    refuse_conflicts(settings)
+
+
 def build_trainable_model(
     options: ModelOptions,
     lora: LoRAConfig,
@@ -83,20 +96,12 @@ def build_trainable_model(
 
     Raises:
         UnsupportedModelError: a head, packing or fused-LoRA check failed (named in the message).
-        ValueError: ``checkpoint_layers`` without ``gradient_checkpointing``; a LoRA shortfall.
+        ConfigError: a setting's value or a pair of settings that cannot work (before any weights
+            are read).
+        ValueError: a LoRA shortfall.
     """
-    if options.checkpoint_layers is not None and not options.gradient_checkpointing:
-        raise ValueError("model.checkpoint_layers needs model.gradient_checkpointing: true")
+    check_model_settings(options, lora, quantization, low_memory_ranks)
     residual = is_residual_init(lora.init)
-    if options.adapter is not None and lora.init != "default":
-        raise ValueError("model.lora.init initialises new adapters; model.adapter continues a trained one")
-    if (residual or lora.init == "eva") and (quantization.method != "none" or low_memory_ranks):
-        raise ValueError(
-            f"model.lora.init: {lora.init} decomposes full-precision weights or layer inputs: not with "
-            "model.quantization (LoftQ would be the QLoRA init) or model.low_memory_load"
-        )
-    if lora.init == "loftq" and (quantization.method != "nf4" or low_memory_ranks):
-        raise ValueError("model.lora.init: loftq initialises adapters for an NF4 base (model.quantization)")
     base: Any = load_base_model(
         options.model,
         options.dtype,
@@ -108,8 +113,9 @@ def build_trainable_model(
     token_ids: list[int] = []
     if options.added_tokens:
         if low_memory_ranks:
-            raise ValueError(
-                "model.added_tokens (data.new_tokens) with model.low_memory_load is not supported yet"
+            raise ConfigError(
+                "model.added_tokens",
+                f"{options.added_tokens} (data.new_tokens) with model.low_memory_load is not supported yet",
             )
         tokenizer = base_tokenizer(options.model, options.added_tokens)
         token_ids = tokenizer.convert_tokens_to_ids(options.added_tokens)

@@ -15,18 +15,14 @@ trained ``B @ A`` therefore fits only that residual base. Two consequences, both
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-RESIDUAL_INIT = re.compile(r"pissa|pissa_niter_\d+|olora")
+from lit_instruct.rules import is_residual_init
 
-
-def is_residual_init(init: str) -> bool:
-    """``init`` rewrites the base weights into a residual (PiSSA, OLoRA)."""
-    return RESIDUAL_INIT.fullmatch(init) is not None
+__all__ = ["as_plain_lora", "initial_adapter", "is_residual_init", "loftq_initialise"]
 
 
 def initial_adapter(peft_model: Any) -> dict[str, torch.Tensor]:

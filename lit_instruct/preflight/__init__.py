@@ -1,0 +1,107 @@
+"""Everything a config can be checked for before any weights are read: each value
+(:mod:`lit_instruct.rules`), each pair of settings that cannot go together, where ``model.model``
+points, and the LoRA structure (targets, layers, patterns, a continued adapter's fit) on the base's
+skeleton built on the meta device from its ``config.json``. ``fit`` and ``validate`` run it first;
+``lit-instruct check`` runs it with the data check and prints the plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from lit_instruct.errors import ConfigError
+from lit_instruct.models.load import QuantizationConfig, load_base_model
+from lit_instruct.models.lora import LoRAConfig, attach_lora, lora_config_of, with_adapter_structure
+from lit_instruct.preflight.adapter_fit import adapter_on_skeleton, check_adapter_folder
+from lit_instruct.preflight.model_source import model_source
+from lit_instruct.rules import check_values, flatten, refuse_conflicts
+
+
+def config_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat settings (``model.lora.r``...) of a parsed ``fit`` config, defaults filled in for the
+    nested LoRA and quantization settings."""
+    model = dict(config.get("model") or {})
+    model["lora"] = asdict(LoRAConfig(**(model.get("lora") or {})))
+    model["quantization"] = asdict(QuantizationConfig(**(model.get("quantization") or {})))
+    return flatten({**config, "model": model})
+
+
+@dataclass
+class ModelPlan:
+    """What the model check found: the base, what LoRA adapts, and the sizes that set memory."""
+
+    source: str
+    model_type: str
+    parameters: int
+    trainable: int
+    coverage: str
+    layers: int
+    hidden: int
+    intermediate: int
+    quantized_linear: int
+    """Parameters of the decoder's linear layers (4-bit under QLoRA)."""
+
+
+def check_config(config: Mapping[str, Any]) -> ModelPlan:
+    """Check a parsed ``fit`` config before anything is loaded; the model's plan when it passes.
+
+    Raises:
+        ConfigError: the first setting (or pair) that cannot work, naming it.
+    """
+    settings = config_settings(config)
+    check_values(settings)
+    refuse_conflicts(settings)
+    lora = LoRAConfig(**settings["model.lora"])
+    adapter = settings.get("model.adapter")
+    if adapter is not None:
+        check_adapter_folder(adapter)
+        lora = with_adapter_structure(lora, lora_config_of(adapter))
+    name = settings["model.model"]
+    source = model_source(name)
+    skeleton = _skeleton(source, settings)
+    parameters = sum(p.numel() for p in skeleton.parameters())
+    head = skeleton.get_output_embeddings()
+    quantized = sum(
+        m.weight.numel() for m in skeleton.modules() if isinstance(m, nn.Linear) and m is not head
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if adapter is not None:
+            wrapped = adapter_on_skeleton(adapter, skeleton, name)
+            coverage = f"LoRA: continues {adapter}"
+        else:  # the structure of any init is the default's; the init itself needs the weights
+            wrapped = attach_lora(skeleton, replace(lora, init="default"), probe=False)
+            coverage = wrapped.lora_coverage.line()
+    text = getattr(skeleton.config, "text_config", None) or skeleton.config
+    return ModelPlan(
+        source=source,
+        model_type=str(getattr(skeleton.config, "model_type", "?")),
+        parameters=parameters,
+        trainable=sum(p.numel() for p in wrapped.parameters() if p.requires_grad),
+        coverage=coverage,
+        layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+        hidden=int(getattr(text, "hidden_size", 0) or 0),
+        intermediate=int(getattr(text, "intermediate_size", 0) or 0),
+        quantized_linear=quantized,
+    )
+
+
+def _skeleton(source: str, settings: Mapping[str, Any]) -> nn.Module:
+    """The base built on the meta device from its config (no weights read)."""
+    try:
+        return load_base_model(
+            source,
+            settings.get("model.dtype", "float32"),
+            bool(settings.get("model.trust_remote_code", False)),
+            attn_implementation=settings.get("model.attn_implementation", "auto"),
+            meta=True,
+        )
+    except (OSError, ValueError, ImportError, KeyError) as failure:
+        first = str(failure).strip().splitlines()[0] if str(failure).strip() else type(failure).__name__
+        setting = "model.attn_implementation" if "attn" in first.lower() else "model.model"
+        raise ConfigError(setting, f"{settings.get(setting)!r}: {first}") from None

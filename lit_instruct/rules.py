@@ -1,0 +1,248 @@
+"""What each setting may be, and which settings cannot go together: checked on the parsed config before
+anything is read (the command line), and again when a model is built from Python.
+
+Settings are a flat mapping of dotted names (``model.lora.r``, ``data.streaming``,
+``trainer.strategy``) to values; a rule whose settings are not all in the mapping does not apply
+(building a model from Python knows no ``data.*`` or ``trainer.*``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lit_instruct.errors import ConfigError
+
+RESIDUAL_INIT = re.compile(r"pissa|pissa_niter_\d+|olora")
+INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "eva", "loftq")
+REFUSED_INITS = {
+    "corda": "needs its own covariance pass with peft's preprocessing, which lit-instruct does not do yet",
+}
+FSDP_STRATEGIES = ("fused_ce_fsdp", "lit_instruct.train.strategy.FusedCEFSDPStrategy")
+
+
+def is_residual_init(init: str) -> bool:
+    """``init`` rewrites the base weights into a residual (PiSSA, OLoRA)."""
+    return RESIDUAL_INIT.fullmatch(init) is not None
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any) -> bool:
+    return _int(value) and value > 0
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, list | tuple) and all(isinstance(v, str) and v.strip() for v in value)
+
+
+def _or_none(valid: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or valid(value)
+
+
+def _init(value: Any) -> bool:
+    return isinstance(value, str) and (value in INITS or is_residual_init(value))
+
+
+VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "model.lora.r": (_positive_int, "must be a positive integer"),
+    "model.lora.alpha": (lambda v: _number(v) and v > 0, "must be a positive number"),
+    "model.lora.dropout": (lambda v: _number(v) and 0 <= v < 1, "must be in [0, 1)"),
+    "model.lora.target_modules": (
+        lambda v: _names(v) and len(v) > 0,
+        "must be a non-empty list of module names or patterns, or [all-linear]",
+    ),
+    "model.lora.init": (_init, f"must be one of {', '.join(INITS)} (N: iterations, e.g. pissa_niter_4)"),
+    "model.lora.layers_to_transform": (
+        lambda v: v is None or (isinstance(v, list) and len(v) > 0 and all(_int(i) and i >= 0 for i in v)),
+        "must be a non-empty list of decoder layer indices (0, 1, ...) or null",
+    ),
+    "model.lora.rank_pattern": (
+        lambda v: isinstance(v, dict) and all(_positive_int(r) for r in v.values()),
+        "must map module-name patterns to positive ranks",
+    ),
+    "model.lora.alpha_pattern": (
+        lambda v: isinstance(v, dict) and all(_number(a) and a > 0 for a in v.values()),
+        "must map module-name patterns to positive alphas",
+    ),
+    "model.lora.loraplus_lr_ratio": (
+        lambda v: v is None or (_number(v) and v > 0),
+        "must be a positive number (the B matrices' learning rate over the A matrices'), or null",
+    ),
+    "model.lora.modules_to_save": (_names, "must be a list of module names"),
+    "model.learning_rate": (lambda v: _number(v) and v > 0, "must be a positive number"),
+    "model.weight_decay": (lambda v: _number(v) and v >= 0, "must be a number >= 0"),
+    "model.betas": (
+        lambda v: isinstance(v, list | tuple) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
+        "must be two numbers in [0, 1)",
+    ),
+    "model.warmup_steps": (lambda v: _int(v) and v >= 0, "must be an integer >= 0"),
+    "model.min_lr_ratio": (lambda v: _number(v) and 0 <= v <= 1, "must be in [0, 1]"),
+    "model.checkpoint_layers": (
+        lambda v: v is None or (_int(v) and v >= 0),
+        "must be an integer >= 0 or null",
+    ),
+    "data.max_seq_len": (_positive_int, "must be a positive integer"),
+    "data.batch_size": (_positive_int, "must be a positive integer"),
+    "data.eval_batch_size": (_or_none(_positive_int), "must be a positive integer or null"),
+    "data.val_fraction": (lambda v: _number(v) and 0 <= v < 1, "must be in [0, 1)"),
+    "data.pad_to_multiple_of": (
+        lambda v: v is None or _positive_int(v),
+        "must be a positive integer or null",
+    ),
+    "data.num_workers": (lambda v: _int(v) and v >= 0, "must be an integer >= 0"),
+    "data.num_proc": (_positive_int, "must be a positive integer"),
+    "data.shuffle_buffer": (_positive_int, "must be a positive integer"),
+    "trainer.accumulate_grad_batches": (_positive_int, "must be a positive integer"),
+    "trainer.max_steps": (lambda v: _int(v) and v >= -1, "must be a positive integer, or -1 for no limit"),
+}
+"""Each setting's rule and what is allowed, for the message."""
+
+
+def shown(value: Any) -> str:
+    """A setting's value as the config writes it: ``true``, ``null``, ``'eva'``, ``[1, 2]``."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
+
+
+def check_values(settings: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` for the first setting whose value breaks its rule."""
+    for name, (valid, allowed) in VALUES.items():
+        if name not in settings:
+            continue
+        value = settings[name]
+        if name == "model.lora.init" and isinstance(value, str) and value in REFUSED_INITS:
+            raise ConfigError(name, f"{shown(value)} {REFUSED_INITS[value]}")
+        if not valid(value):
+            raise ConfigError(name, f"{allowed}, got {shown(value)}")
+
+
+def _strategy(value: Any) -> str:
+    """A strategy setting's name: the registry name or the ``class_path``."""
+    if isinstance(value, Mapping):
+        return str(value.get("class_path", ""))
+    return value if isinstance(value, str) else type(value).__qualname__
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """Two settings that cannot go together when ``clash`` holds on their values."""
+
+    first: str
+    second: str
+    clash: Callable[[Any, Any], bool]
+    reason: str
+
+
+def _decomposing(init: Any) -> bool:
+    return isinstance(init, str) and (is_residual_init(init) or init == "eva")
+
+
+CONFLICTS: tuple[Conflict, ...] = (
+    Conflict(
+        "model.lora.init",
+        "data.streaming",
+        lambda init, streaming: init == "eva" and bool(streaming),
+        "EVA's data pass reads the training batches before the first step; a stream is read once, by "
+        "the training loop (set data.streaming: false, or another init)",
+    ),
+    Conflict(
+        "model.lora.init",
+        "model.quantization.method",
+        lambda init, method: _decomposing(init) and method != "none",
+        "PiSSA, OLoRA and EVA decompose full-precision weights or layer inputs; the init for a 4-bit "
+        "base is loftq",
+    ),
+    Conflict(
+        "model.lora.init",
+        "model.quantization.method",
+        lambda init, method: init == "loftq" and method != "nf4",
+        "LoftQ fits the NF4 quantization error: set model.quantization.method: nf4",
+    ),
+    Conflict(
+        "model.lora.init",
+        "model.lora.use_dora",
+        lambda init, dora: _decomposing(init) and bool(dora),
+        "EVA sets plain LoRA layers only, and a residual init's adapter could not be saved as plain "
+        "LoRA on the original base (peft cannot convert DoRA either)",
+    ),
+    Conflict(
+        "model.lora.init",
+        "model.adapter",
+        lambda init, adapter: init != "default" and adapter is not None,
+        "an init sets new adapters; model.adapter continues a trained one (leave model.lora.init unset)",
+    ),
+    Conflict(
+        "model.lora.init",
+        "model.low_memory_load",
+        lambda init, low: (init in ("eva", "loftq") or is_residual_init(str(init))) and bool(low),
+        "the init reads the base's weights on every rank; with low_memory_load only rank 0 has them",
+    ),
+    Conflict(
+        "model.low_memory_load",
+        "trainer.strategy",
+        lambda low, strategy: bool(low) and _strategy(strategy) not in FSDP_STRATEGIES,
+        "only rank 0 reads the weights and the other ranks receive their shards from it, which "
+        "trainer.strategy: fused_ce_fsdp does",
+    ),
+    Conflict(
+        "model.checkpoint_layers",
+        "model.gradient_checkpointing",
+        lambda layers, checkpointing: layers is not None and not checkpointing,
+        "checkpoint_layers chooses which layers gradient checkpointing recomputes: set "
+        "model.gradient_checkpointing: true",
+    ),
+    Conflict(
+        "data.new_tokens",
+        "model.low_memory_load",
+        lambda tokens, low: isinstance(tokens, list) and len(tokens) > 0 and bool(low),
+        "growing the embedding for new tokens is not supported on ranks built without weights yet",
+    ),
+    Conflict(
+        "data.packing",
+        "model.attn_implementation",
+        lambda packing, attention: bool(packing) and attention not in ("auto", "sdpa", "eager"),
+        "packed rows run attention sample by sample through sdpa or eager",
+    ),
+    Conflict(
+        "data.streaming",
+        "trainer.max_steps",
+        lambda streaming, steps: bool(streaming) and steps in (None, -1),
+        "a stream has no end, so the fit needs a step count: set trainer.max_steps",
+    ),
+)
+"""Every pair of settings refused together, with the reason (the README lists them)."""
+
+
+def refuse_conflicts(settings: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` naming both settings of the first conflict in ``settings``."""
+    for conflict in CONFLICTS:
+        if conflict.first not in settings or conflict.second not in settings:
+            continue
+        first, second = settings[conflict.first], settings[conflict.second]
+        if conflict.clash(first, second):
+            raise ConfigError(
+                conflict.first,
+                f"{shown(first)} cannot be combined with {conflict.second}: {shown(second)}: "
+                f"{conflict.reason}",
+            )
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"model": {"lora": {"r": 8}}}`` as ``{"model": {...}, "model.lora": {...}, "model.lora.r": 8}``."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        flat[name] = value
+        if isinstance(value, Mapping) and "class_path" not in value:
+            flat.update(flatten(value, f"{name}."))
+    return flat
