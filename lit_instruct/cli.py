@@ -168,6 +168,39 @@ class DataOnlyCLI(InstructCLI):
         self.datamodule = self.data_module()
 
 
+class CheckCLI(InstructCLI):
+    """The ``fit`` command line checked as ``fit`` checks it, the data read and rendered, and no
+    weights read: what ``lit-instruct check`` prints its plan from."""
+
+    def instantiate_classes(self) -> None:
+        self.model_plan = check_config(self.subcommand_config())
+        self.datamodule = self.data_module()
+
+
+def check_main(argv: list[str]) -> None:
+    """``lit-instruct check --config X.yaml [--model.* --data.* --trainer.* ...]``: every check ``fit``
+    makes before it loads weights (each value, each pair of settings, the model's structure and LoRA
+    targets on its weightless skeleton, a continued adapter's fit, every data record), then the plan:
+    the model, what LoRA adapts, the trainable parameters, samples, tokens, optimizer steps and an
+    estimate of the peak memory. Exit 0 when all is well, 2 with one line on a mistake."""
+    from lit_instruct.preflight import config_settings
+    from lit_instruct.preflight.plan import plan_text
+
+    if argv[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(
+            f"usage: lit-instruct check --config X.yaml [fit's options]\n\n{check_main.__doc__}\n"
+        )
+        return
+    with warnings.catch_warnings():  # Lightning warns when args are given while sys.argv has some
+        warnings.filterwarnings("ignore", "LightningCLI's args parameter")
+        cli = CheckCLI(args=argv, run=False)
+    data = cli.datamodule
+    data.setup("fit")  # reads, renders and checks every record; prints the counts
+    store = None if data.streaming else data.train_samples
+    samples, tokens = (None, None) if store is None else (len(store), int(store.offsets[-1]))
+    sys.stdout.write(plan_text(cli.model_plan, config_settings(cli.subcommand_config()), samples, tokens))
+
+
 def inspect_main(argv: list[str]) -> None:
     """``lit-instruct inspect --config X.yaml [--samples N] [--html report.html]``: read, render and
     check the data exactly as ``fit`` would (the same cache), without loading the model's weights;
@@ -374,6 +407,7 @@ def chat_main(argv: list[str]) -> None:
 
 
 COMMANDS = {
+    "check": check_main,
     "inspect": inspect_main,
     "prepare": prepare_main,
     "export": export_main,

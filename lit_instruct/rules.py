@@ -141,6 +141,8 @@ class Conflict:
     second: str
     clash: Callable[[Any, Any], bool]
     reason: str
+    example: tuple[Any, Any]
+    """Two values that clash (the tests walk the table with them; the README lists them)."""
 
 
 def _decomposing(init: Any) -> bool:
@@ -154,6 +156,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda init, streaming: init == "eva" and bool(streaming),
         "EVA's data pass reads the training batches before the first step; a stream is read once, by "
         "the training loop (set data.streaming: false, or another init)",
+        ("eva", True),
     ),
     Conflict(
         "model.lora.init",
@@ -161,12 +164,14 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda init, method: _decomposing(init) and method != "none",
         "PiSSA, OLoRA and EVA decompose full-precision weights or layer inputs; the init for a 4-bit "
         "base is loftq",
+        ("pissa", "nf4"),
     ),
     Conflict(
         "model.lora.init",
         "model.quantization.method",
         lambda init, method: init == "loftq" and method != "nf4",
         "LoftQ fits the NF4 quantization error: set model.quantization.method: nf4",
+        ("loftq", "fp4"),
     ),
     Conflict(
         "model.lora.init",
@@ -174,18 +179,21 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda init, dora: _decomposing(init) and bool(dora),
         "EVA sets plain LoRA layers only, and a residual init's adapter could not be saved as plain "
         "LoRA on the original base (peft cannot convert DoRA either)",
+        ("olora", True),
     ),
     Conflict(
         "model.lora.init",
         "model.adapter",
         lambda init, adapter: init != "default" and adapter is not None,
         "an init sets new adapters; model.adapter continues a trained one (leave model.lora.init unset)",
+        ("gaussian", "runs/x/adapter"),
     ),
     Conflict(
         "model.lora.init",
         "model.low_memory_load",
         lambda init, low: (init in ("eva", "loftq") or is_residual_init(str(init))) and bool(low),
         "the init reads the base's weights on every rank; with low_memory_load only rank 0 has them",
+        ("pissa", True),
     ),
     Conflict(
         "model.low_memory_load",
@@ -193,6 +201,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda low, strategy: bool(low) and _strategy(strategy) not in FSDP_STRATEGIES,
         "only rank 0 reads the weights and the other ranks receive their shards from it, which "
         "trainer.strategy: fused_ce_fsdp does",
+        (True, "fused_ce_ddp"),
     ),
     Conflict(
         "model.checkpoint_layers",
@@ -200,24 +209,28 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda layers, checkpointing: layers is not None and not checkpointing,
         "checkpoint_layers chooses which layers gradient checkpointing recomputes: set "
         "model.gradient_checkpointing: true",
+        (4, False),
     ),
     Conflict(
         "data.new_tokens",
         "model.low_memory_load",
         lambda tokens, low: isinstance(tokens, list) and len(tokens) > 0 and bool(low),
         "growing the embedding for new tokens is not supported on ranks built without weights yet",
+        (["<|im_start|>"], True),
     ),
     Conflict(
         "data.packing",
         "model.attn_implementation",
         lambda packing, attention: bool(packing) and attention not in ("auto", "sdpa", "eager"),
         "packed rows run attention sample by sample through sdpa or eager",
+        (True, "flash_attention_2"),
     ),
     Conflict(
         "data.streaming",
         "trainer.max_steps",
         lambda streaming, steps: bool(streaming) and steps in (None, -1),
         "a stream has no end, so the fit needs a step count: set trainer.max_steps",
+        (True, -1),
     ),
 )
 """Every pair of settings refused together, with the reason (the README lists them)."""
