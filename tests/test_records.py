@@ -331,3 +331,156 @@ def test_fields_no_format_uses_are_counted_and_fields_we_cannot_honour_refused(t
 
 def test_every_format_the_config_offers_is_in_the_format_table() -> None:
     assert set(FORMATS) == set(get_args(RecordFormat)) - {"auto"}
+
+
+# -- each turn layout reads its own fields ------------------------------------------------------
+
+CALL = '{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}'
+HUMAN = '{"from": "human", "value": "Weather in Paris?"}'
+USE_MESSAGES = "use the messages format, whose assistant turns carry it"
+
+
+def refusal(tmp_path: Path, line: str) -> tuple[str, DataError]:
+    """The file holding ``line`` as its only line, and the error reading it raises."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(DataError) as refused:
+        read_source(path)
+    return str(path), refused.value
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            '{"conversations": ['
+            + HUMAN
+            + ', {"from": "gpt", "value": "Sunny.", "tool_calls": ['
+            + CALL
+            + "]}]}",
+            "field 'conversations[1].tool_calls' holds tool calls, which a ShareGPT turn cannot carry (make "
+            f"the call a turn of its own, from: function_call, or {USE_MESSAGES}): refused",
+        ),
+        (
+            '{"conversations": [' + HUMAN + ', {"from": "gpt", "value": "Sunny.", "reasoning_content": "Look '
+            'it up."}]}',
+            "field 'conversations[1].reasoning_content' holds reasoning, which a ShareGPT turn cannot carry "
+            f"({USE_MESSAGES} as reasoning_content): refused",
+        ),
+        (
+            '{"conversations": [' + HUMAN + ', {"from": "gpt", "value": "Sunny.", "thinking": "Hmm."}]}',
+            "field 'conversations[1].thinking' holds reasoning, which a ShareGPT turn cannot carry "
+            f"({USE_MESSAGES} as reasoning_content): refused",
+        ),
+        (
+            '{"conversations": [' + HUMAN + ', {"from": "gpt", "value": "Sunny.", "function_call": {"name": '
+            '"get_weather", "arguments": "{}"}}]}',
+            "field 'conversations[1].function_call' holds a tool call, which a ShareGPT turn cannot carry as "
+            f"a field (make it a turn of its own, from: function_call, or {USE_MESSAGES}): refused",
+        ),
+        (
+            '{"conversations": [{"from": "human", "value": "Hi", "content": "Hello?"}, {"from": "gpt", '
+            '"value": "Yo"}]}',
+            "field 'conversations[0].content' differs from 'conversations[0].value' (a conversations turn is "
+            "from and value: keep those): refused",
+        ),
+        (
+            '{"conversations": [{"from": "human", "value": "Hi", "role": "system"}, {"from": "gpt", '
+            '"value": "Yo"}]}',
+            "field 'conversations[0].role' differs from 'conversations[0].from' (a conversations turn is "
+            "from and value: keep those): refused",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "Hi", "value": "Hello?"}, {"role": "assistant", '
+            '"content": "Yo"}]}',
+            "field 'messages[0].value' differs from 'messages[0].content' (a messages turn is role and "
+            "content: keep those): refused",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "from": '
+            '"human"}]}',
+            "field 'messages[1].from' differs from 'messages[1].role' (a messages turn is role and content: "
+            "keep those): refused",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": "Hi", "images": ["cat.png"]}], "completion": [{"role": '
+            '"assistant", "content": "A cat."}]}',
+            "field 'prompt[0].images' holds images (text-only training: the model would learn answers about "
+            "pictures it never saw): refused",
+        ),
+    ],
+    ids=[
+        "sharegpt-tool_calls",
+        "sharegpt-reasoning_content",
+        "sharegpt-thinking",
+        "sharegpt-function_call",
+        "sharegpt-content-differs",
+        "sharegpt-role-differs",
+        "chat-value-differs",
+        "chat-from-differs",
+        "trl-prompt-images",
+    ],
+)
+def test_turn_fields_a_format_cannot_honour_are_refused_naming_file_line_and_field(
+    tmp_path: Path, line: str, message: str
+) -> None:
+    path, error = refusal(tmp_path, line)
+    assert str(error) == f"{path}:1: {message}"
+    assert error.reason == "unsupported_field"
+
+
+def test_turn_fields_a_format_does_not_read_are_counted_per_format(tmp_path: Path) -> None:
+    """A ShareGPT turn's name and tool_call_id, a chat turn's from/value that repeat its role/content,
+    and fields of turns kept as JSON text are counted; empty ones (a table's columns) are not."""
+    from collections import Counter
+
+    lines = [
+        '{"conversations": [{"from": "human", "value": "Hi", "role": "user", "name": "ann", "lang": "en"}, '
+        '{"from": "gpt", "value": "Yo", "content": "Yo", "tool_calls": [], "reasoning_content": null}]}',
+        '{"conversations": [{"from": "human", "value": "Temp?"}, {"from": "function_call", "value": '
+        '"{\\"name\\": \\"temp\\", \\"arguments\\": {}}"}, {"from": "observation", "value": "18C", "name": '
+        '"temp", "tool_call_id": "c1"}, {"from": "gpt", "value": "18C."}]}',
+        '{"messages": [{"role": "user", "content": "Hi", "from": "human", "value": "Hi"}, {"role": '
+        '"assistant", "content": "Yo", "from": "gpt"}]}',
+        '{"messages": "[{\\"role\\": \\"user\\", \\"content\\": \\"Hi\\", \\"lang\\": \\"en\\"}, '
+        '{\\"role\\": \\"assistant\\", \\"content\\": \\"Yo\\"}]"}',
+    ]
+    path = tmp_path / "turns.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    counts: Counter[str] = Counter()
+    records = read_source(path, counts=counts)
+    assert [r.unused for r in records] == [
+        ("conversations[].content", "conversations[].lang", "conversations[].name", "conversations[].role"),
+        ("conversations[].name", "conversations[].tool_call_id"),
+        ("messages[].from", "messages[].value"),
+        ("messages[].lang",),
+    ]
+    assert counts == Counter(
+        {
+            "unused_field_conversations[].name": 2,
+            "unused_field_conversations[].content": 1,
+            "unused_field_conversations[].lang": 1,
+            "unused_field_conversations[].role": 1,
+            "unused_field_conversations[].tool_call_id": 1,
+            "unused_field_messages[].from": 1,
+            "unused_field_messages[].value": 1,
+            "unused_field_messages[].lang": 1,
+        }
+    )
+    assert records[0].messages == (Message("user", "Hi"), Message("assistant", "Yo"))
+    assert records[1].messages[2] == Message("tool", "18C")  # the name is counted, not shown
+
+
+def test_two_reasoning_fields_of_a_turn_must_agree(tmp_path: Path) -> None:
+    """``reasoning_content`` and ``thinking`` on one turn: the same text is read once, different
+    texts are refused (one would be dropped); an empty one is no reasoning."""
+    turn = '{"role": "assistant", "content": "4", "reasoning_content": %s, "thinking": %s}'
+    line = '{"messages": [{"role": "user", "content": "2+2?"}, ' + turn + "]}"
+    path, error = refusal(tmp_path, line % ('"Add."', '"Add two."'))
+    assert str(error) == (
+        f"{path}:1: fields 'messages[1].reasoning_content' and 'messages[1].thinking' hold different "
+        "reasoning: keep one"
+    )
+    for pair, reasoning in ((('"Add."', '"Add."'), "Add."), (('""', '"Add two."'), "Add two.")):
+        (record,) = read_source(write_jsonl(tmp_path / "same.jsonl", [json.loads(line % pair)]))
+        assert record.messages[1] == Message("assistant", "4", reasoning=reasoning) and record.unused == ()

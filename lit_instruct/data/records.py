@@ -19,6 +19,12 @@ or ``"weight": 0``: it stays in the context but out of the loss. Tool
 results are context, never trained on; the assistant's tool-call text is. Field names can be mapped
 from the user's with ``columns`` (``{"instruction": "question"}``). Errors name the record's location
 and the field.
+
+A field no format reads is counted (``unused_field_id``, ``unused_field_conversations[].name``); one
+that holds what would be trained or shown to the model but cannot be honoured is refused: images, a
+preference pair, or a ShareGPT turn's ``tool_calls`` or ``reasoning_content`` (the ``messages``
+format carries those). A turn that mixes the two layouts (``from``/``value`` on a chat turn) is
+counted when both say the same, refused when they do not.
 """
 
 from __future__ import annotations
@@ -42,8 +48,7 @@ SHAREGPT_ROLES = {
 }
 """ShareGPT's ``from`` values and the roles they are."""
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-TURN_FIELDS = {"role", "content", "from", "value", "train", "weight", "tool_calls", "tool_call_id", "name"}
-TURN_FIELDS |= set(REASONING_KEYS)
+"""Where assistant turns keep their reasoning; templates are given it under the first two names."""
 REFUSED_FIELDS = {
     "images": "images (text-only training: the model would learn answers about pictures it never saw)",
     "videos": "videos (text-only training)",
@@ -53,8 +58,52 @@ REFUSED_FIELDS = {
     "function_call": "OpenAI's legacy function_call (use tool_calls)",
     "functions": "OpenAI's legacy functions (use tools)",
 }
-"""Fields that mean something lit-instruct cannot honour: a record carrying one is refused."""
-"""Where assistant turns keep their reasoning; templates are given it under the first two names."""
+"""Fields that mean something lit-instruct cannot honour: a record (or turn) carrying one is refused."""
+
+
+@dataclass(frozen=True)
+class TurnLayout:
+    """The fields one turn layout reads, those it refuses (what they hold, what to do instead), and
+    the other layout's fields (``from``/``value`` on a chat turn): counted when they repeat what the
+    turn says, refused when they say something else. Any other non-empty field is counted unused."""
+
+    reads: frozenset[str]
+    refused: dict[str, str]
+    twins: dict[str, str]
+    """The other layout's field -> the field of this one that says the same."""
+    keep: str
+    """What to do with a twin that disagrees."""
+
+
+_USE_MESSAGES = "use the messages format, whose assistant turns carry it"
+TURN_LAYOUTS = {
+    "chat": TurnLayout(
+        frozenset(
+            {"role", "content", "train", "weight", "tool_calls", "tool_call_id", "name", *REASONING_KEYS}
+        ),
+        REFUSED_FIELDS,
+        {"from": "role", "value": "content"},
+        "a messages turn is role and content: keep those",
+    ),
+    "sharegpt": TurnLayout(
+        frozenset({"from", "value", "train", "weight"}),
+        {
+            **REFUSED_FIELDS,
+            "tool_calls": "tool calls, which a ShareGPT turn cannot carry (make the call a turn of its own, "
+            f"from: function_call, or {_USE_MESSAGES})",
+            "function_call": "a tool call, which a ShareGPT turn cannot carry as a field (make it a turn of "
+            f"its own, from: function_call, or {_USE_MESSAGES})",
+            **{
+                key: f"reasoning, which a ShareGPT turn cannot carry ({_USE_MESSAGES} as reasoning_content)"
+                for key in REASONING_KEYS
+            },
+        },
+        {"role": "from", "content": "value"},
+        "a conversations turn is from and value: keep those",
+    ),
+}
+"""How each format's turns are read: chat (``messages``, and TRL's conversational ``prompt`` and
+``completion``) and ShareGPT (``conversations``)."""
 
 
 class DataError(ValueError):
@@ -243,6 +292,19 @@ def _optional_string(turn: dict[str, Any], key: str, where: str, source: str) ->
     return _string_field(turn, key, f"{source}: {where}") if turn.get(key) is not None else None
 
 
+def _reasoning_key(turn: dict[str, Any], where: str, source: str) -> str | None:
+    """The first of :data:`REASONING_KEYS` a turn sets; two that hold different reasoning are refused."""
+    keys = [key for key in REASONING_KEYS if not _is_empty(turn.get(key))]
+    for other in keys[1:]:
+        if turn[other] != turn[keys[0]]:
+            raise DataError(
+                source,
+                f"fields '{where}.{keys[0]}' and '{where}.{other}' hold different reasoning: keep one",
+                "bad_type",
+            )
+    return keys[0] if keys else None
+
+
 def _chat_turn(turn: dict[str, Any], where: str, source: str) -> Message:
     role = _string_field(turn, "role", f"{source}: {where}")
     if role not in ROLES:
@@ -253,7 +315,7 @@ def _chat_turn(turn: dict[str, Any], where: str, source: str) -> Message:
             source, f"field '{where}.tool_calls' is on a {role} turn (only answers call tools)", "bad_role"
         )
     tool_calls = _tool_calls(calls, f"{where}.tool_calls", source) if calls is not None else None
-    reasoning_key = next((k for k in REASONING_KEYS if turn.get(k) is not None), None)
+    reasoning_key = _reasoning_key(turn, where, source)
     reasoning = _optional_string(turn, reasoning_key, where, source) if reasoning_key else None
     if reasoning is not None and role != "assistant":
         raise DataError(source, f"field '{where}.{reasoning_key}' is on a {role} turn", "bad_role")
@@ -339,32 +401,73 @@ def _conversational_prompt_completion(raw: dict[str, Any], source: str) -> tuple
     return context + completion
 
 
-def _unused_fields(raw: dict[str, Any], fmt: str, source: str) -> tuple[str, ...]:
-    """The non-empty fields of the record and of its turns that ``fmt`` does not use; a field in
-    :data:`REFUSED_FIELDS` is an error."""
-    used = FORMATS[fmt].fields
-    turn_lists = [k for k in ("messages", "conversations", "prompt", "completion") if k in used]
-    fields = [(key, value) for key, value in raw.items() if key not in used]
-    for key in turn_lists:
-        turns = raw.get(key)
-        if isinstance(turns, list):
-            fields += [
-                (f"{key}[].{name}", value)
-                for turn in turns
-                if isinstance(turn, dict)
-                for name, value in turn.items()
-                if name not in TURN_FIELDS
-            ]
+def _is_empty(value: Any) -> bool:
+    """A table's empty column, an export's ``refusal: null``: nothing would be lost."""
+    return value is None or value == [] or value == {} or value == ""
+
+
+def _refuse_field(name: str, what: str, source: str) -> DataError:
+    return DataError(source, f"field '{name}' holds {what}: refused", "unsupported_field")
+
+
+def _twin_agrees(turn: dict[str, Any], name: str, twin: str) -> bool:
+    """Whether the other layout's field ``name`` says what this layout's ``twin`` says (a role by the
+    role it maps to: ``from: gpt`` is ``role: assistant``)."""
+    ours, theirs = turn.get(twin), turn[name]
+    if twin in ("role", "from"):
+        ours, theirs = (SHAREGPT_ROLES.get(r, r) if isinstance(r, str) else r for r in (ours, theirs))
+    return bool(ours == theirs)
+
+
+def _unused_turn_fields(turn: dict[str, Any], layout: TurnLayout, where: str, source: str) -> list[str]:
+    """The non-empty fields of one turn that ``layout`` does not read; one it refuses, or a twin that
+    disagrees with the turn, is an error naming ``where`` (``conversations[2]``)."""
     unused = []
-    for name, value in fields:
-        if value is None or value == [] or value == {} or value == "":
-            continue  # a table's empty column, an export's ``refusal: null``: nothing is lost
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in REFUSED_FIELDS:
+    for name, value in turn.items():
+        if name in layout.reads or _is_empty(value):
+            continue
+        if name in layout.refused:
+            raise _refuse_field(f"{where}.{name}", layout.refused[name], source)
+        twin = layout.twins.get(name)
+        if twin is not None and not _twin_agrees(turn, name, twin):
             raise DataError(
-                source, f"field '{name}' holds {REFUSED_FIELDS[leaf]}: refused", "unsupported_field"
+                source,
+                f"field '{where}.{name}' differs from '{where}.{twin}' ({layout.keep}): refused",
+                "unsupported_field",
             )
         unused.append(name)
+    return unused
+
+
+def _turn_lists(raw: dict[str, Any], fmt: str, source: str) -> list[tuple[str, Any, TurnLayout]]:
+    """The record's turn lists (parsed when kept as JSON text), each with how its turns are read."""
+    if fmt == "chat":
+        return [("messages", _json_value(raw["messages"], "messages", source), TURN_LAYOUTS["chat"])]
+    if fmt == "sharegpt":
+        turns = _json_value(raw["conversations"], "conversations", source)
+        return [("conversations", turns, TURN_LAYOUTS["sharegpt"])]
+    if fmt == "prompt_completion":  # TRL's conversational form: both are chat turns
+        return [(key, raw[key], TURN_LAYOUTS["chat"]) for key in ("prompt", "completion")]
+    return []
+
+
+def _unused_fields(raw: dict[str, Any], fmt: str, source: str) -> tuple[str, ...]:
+    """The non-empty fields of the record and of its turns that ``fmt`` does not use (a turn's as
+    ``messages[].foo``); a field in :data:`REFUSED_FIELDS`, or one a turn layout refuses, is an error."""
+    used = FORMATS[fmt].fields
+    unused = []
+    for name, value in raw.items():
+        if name in used or _is_empty(value):
+            continue
+        if name in REFUSED_FIELDS:
+            raise _refuse_field(name, REFUSED_FIELDS[name], source)
+        unused.append(name)
+    for key, turns, layout in _turn_lists(raw, fmt, source):
+        for i, turn in enumerate(turns if isinstance(turns, list) else []):
+            if isinstance(turn, dict):
+                unused += [
+                    f"{key}[].{name}" for name in _unused_turn_fields(turn, layout, f"{key}[{i}]", source)
+                ]
     return tuple(sorted(set(unused)))
 
 

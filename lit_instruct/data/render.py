@@ -15,6 +15,12 @@ end-of-turn token unchanged (the template is prefix-stable). Templates that rewr
 ``multi_turn: auto`` (the default) such a conversation becomes one sample per assistant turn, each
 rendered exactly as the model sees it at that turn (counted as ``split_per_turn``); ``joint``
 refuses it, ``per_turn`` splits every conversation.
+
+Whether the template shows a field (a turn's text, reasoning, a tool call's name and argument names,
+a tool's name) is told by rendering the record again with the field's value put between two
+sentinels: letters and digits found nowhere in the template or the record, which escaping (``tojson``,
+``| e``) leaves as they are. The field is shown where both sentinels are, never told by searching for
+its text; a record with a field the template drops, even in part, is refused (``template_drops_field``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from lit_instruct.data.records import DataError, Record
+from lit_instruct.data.records import DataError, Message, Record
 from lit_instruct.data.templates import resolve_chat_template
 from lit_instruct.labels import IGNORE_INDEX
 
@@ -81,6 +87,87 @@ def _refuse_dropped(record: Record, field: str, value: str, kind: str, where: st
         "(chatml-tools for ChatML models such as SmolLM2 and Qwen)",
         reason="template_drops_field",
     )
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A field whose value was put between two sentinels, ``head`` and ``tail``: its name
+    (``messages[2].content``), its value and what it is (for the error)."""
+
+    field: str
+    value: str
+    kind: str
+    head: str
+    tail: str
+
+
+def sentinel_tag(record: Record, template: str) -> str:
+    """Letters found nowhere in ``template`` or ``record`` (any case): sentinels are built from it."""
+    text = (template + json.dumps([m.for_template() for m in record.messages]) + (record.tools or "")).lower()
+    tag = "qzxlitfield"
+    while tag in text:
+        tag += "q"
+    return tag
+
+
+class Probes:
+    """Sentinels around a record's field values, and the probes they stand for.
+
+    A sentinel is ``{tag}{n}{tag}``: letters and digits, so escaping leaves it as it is, distinct,
+    none inside another. The value stays between its two (the template sees the same kind of text,
+    ``<think>`` tags and all): a template that shows only part of it (the text after ``</think>``,
+    the first 100 characters) loses one of them.
+    """
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.probes: list[Probe] = []
+
+    def stand_in(self, field: str, value: str, kind: str) -> str:
+        """``value`` between two fresh sentinels (unchanged when blank: there is nothing to show)."""
+        if not value.strip():
+            return value
+        n = 2 * len(self.probes)
+        head, tail = f"{self.tag}{n}{self.tag}", f"{self.tag}{n + 1}{self.tag}"
+        self.probes.append(Probe(field, value.strip(), kind, head, tail))
+        return head + value + tail
+
+    def message(self, message: Message, field: str) -> Message:
+        """``message`` with its content, reasoning, tool calls' names and argument names probed."""
+        content = self.stand_in(f"{field}.content", message.content, "the turn's text")
+        reasoning = message.reasoning and self.stand_in(
+            f"{field}.reasoning_content", message.reasoning, "reasoning"
+        )
+        calls = json.loads(message.tool_calls) if message.tool_calls else None
+        for k, call in enumerate(calls or []):
+            function, where = call["function"], f"{field}.tool_calls[{k}]"
+            function["name"] = self.stand_in(where, function["name"], "tool calls")
+            arguments = function["arguments"].items()
+            function["arguments"] = {
+                self.stand_in(f"{where}.arguments", a, "tool calls"): v for a, v in arguments
+            }
+        tool_calls = json.dumps(calls, ensure_ascii=False) if calls is not None else None
+        return replace(message, content=content, reasoning=reasoning, tool_calls=tool_calls)
+
+    def tools(self, tools: str | None) -> str | None:
+        """The record's tools (JSON) with each tool's name probed."""
+        if tools is None:
+            return None
+        listed = json.loads(tools)
+        for k, tool in enumerate(listed):
+            function = tool.get("function", tool)
+            if isinstance(function, dict) and isinstance(function.get("name"), str):
+                function["name"] = self.stand_in(f"tools[{k}]", function["name"], "the tools offered")
+        return json.dumps(listed, ensure_ascii=False)
+
+    def refuse_unshown(self, record: Record, text: str, where: str, after: int = 0) -> None:
+        """Refuse the record when a field's sentinels are not both in ``text`` (the probed rendering
+        of ``where``), or only before character ``after`` (the answer's start)."""
+        for probe in self.probes:
+            for sentinel in (probe.head, probe.tail):
+                found = text.rfind(sentinel)
+                if found < 0 or found + len(sentinel) <= after:
+                    _refuse_dropped(record, probe.field, probe.value, probe.kind, where)
 
 
 class ChatRenderer:
@@ -159,7 +246,8 @@ class ChatRenderer:
     def answer_turns(self, record: Record) -> list[AnswerTurn]:
         """Each assistant turn rendered against its own prefix, with the span it must produce."""
         self._check_content(record)
-        turns = []
+        tag = sentinel_tag(record, self.chat_template)
+        turns, last = [], 0
         for i, message in enumerate(record.messages):
             if message.role != "assistant":
                 continue
@@ -170,7 +258,8 @@ class ChatRenderer:
                     reason="no_user_turn",
                 )
             through = self._render(record, i + 1)
-            start = common_prefix_length(self._render(record, i, add_generation_prompt=True), through)
+            prefix = self._render(record, i, add_generation_prompt=True)
+            start = common_prefix_length(prefix, through)
             self._check_context_before(record, i, start)
             ids, offsets = self._encode(through)
             # the answer ends with the first special token after its start (the end-of-turn marker)
@@ -182,38 +271,36 @@ class ChatRenderer:
                 ),
                 len(through),
             )
-            self._check_shown(record, i, through, "the answer", after=start)
+            self._check_answer_shown(record, i, prefix, tag)
             turns.append(AnswerTurn(through, ids, offsets, start, end, message.train))
+            last = i
         if turns:
-            self._check_context_shown(record, turns[-1].text)
+            self._check_context_shown(record, last, tag)
         return turns
 
-    def _check_shown(self, record: Record, i: int, text: str, where: str, after: int = 0) -> None:
-        """Refuse turn ``i`` when ``text`` (its rendering) lacks its content, reasoning or a tool
-        call's name or argument names, or has them only before character ``after`` (the answer's
-        start; a tool's name in the system prompt is no call): the template dropped a field."""
-        message = record.messages[i]
-        wanted = [("content", message.content.strip(), "the turn's text")]
-        if message.reasoning:
-            wanted.append(("reasoning_content", message.reasoning.strip(), "reasoning"))
-        for k, call in enumerate(json.loads(message.tool_calls) if message.tool_calls else []):
-            function = call["function"]
-            wanted += [(f"tool_calls[{k}]", function["name"], "tool calls")]
-            wanted += [(f"tool_calls[{k}].arguments", key, "tool calls") for key in function["arguments"]]
-        for field, value, kind in wanted:
-            found = text.rfind(value)
-            if value and (found < 0 or found + len(value) <= after):
-                _refuse_dropped(record, f"messages[{i}].{field}", value, kind, where)
+    def _check_answer_shown(self, record: Record, i: int, prefix: str, tag: str) -> None:
+        """Refuse answer ``i`` when the template does not show its content, reasoning or a tool call's
+        name or argument names inside the answer (after ``prefix``, the rendering before it, which
+        lacks turn ``i``: a tool's name in the system prompt is no call): it dropped a field."""
+        probes = Probes(tag)
+        messages = list(record.messages)
+        messages[i] = probes.message(messages[i], f"messages[{i}]")
+        if probes.probes:
+            text = self._render(replace(record, messages=tuple(messages)), i + 1)
+            probes.refuse_unshown(record, text, "the answer", after=common_prefix_length(prefix, text))
 
-    def _check_context_shown(self, record: Record, text: str) -> None:
-        """Refuse the record when the whole rendering lacks a context turn's text or a tool's name."""
-        for i, message in enumerate(record.messages):
-            if message.role != "assistant":
-                self._check_shown(record, i, text, "the conversation")
-        for k, tool in enumerate(json.loads(record.tools) if record.tools else []):
-            name = tool.get("function", tool).get("name")
-            if isinstance(name, str) and name not in text:
-                _refuse_dropped(record, f"tools[{k}]", name, "the tools offered", "the conversation")
+    def _check_context_shown(self, record: Record, last: int, tag: str) -> None:
+        """Refuse the record when its rendering through its last answer (turn ``last``) lacks a
+        context turn's text or a tool's name."""
+        probes = Probes(tag)
+        messages = tuple(
+            m if m.role == "assistant" else probes.message(m, f"messages[{k}]")
+            for k, m in enumerate(record.messages)
+        )
+        tools = probes.tools(record.tools)
+        if probes.probes:
+            text = self._render(replace(record, messages=messages, tools=tools), last + 1)
+            probes.refuse_unshown(record, text, "the conversation")
 
     def _check_context_before(self, record: Record, i: int, start: int) -> None:
         """Refuse answer ``i`` when its span would start before the end of the message in front of
