@@ -28,7 +28,17 @@ from lit_instruct.models.output_head import (
     logit_transform,
 )
 from lit_instruct.train.module import InstructLoRAModule
-from tests.families import BY_WEIGHT, FAMILIES, LEFT_OUT, MOE, NO_PACKING, SHARP, WINDOW, build_family
+from tests.families import (
+    BY_WEIGHT,
+    FAMILIES,
+    LEFT_OUT,
+    LINEAR_SUBCLASSES,
+    MOE,
+    NO_PACKING,
+    SHARP,
+    WINDOW,
+    build_family,
+)
 
 VOCAB = 49152
 LOSSES = {
@@ -115,6 +125,15 @@ def packed_twin(module: InstructLoRAModule) -> InstructLoRAModule:
     return twin
 
 
+def test_the_config_check_knows_the_families_packing_refuses() -> None:
+    """The model types refused from the config (no weights) are those the build check refuses."""
+    from lit_instruct.models.packing import UNPACKABLE_MODEL_TYPES
+    from tests.families import tiny_config
+
+    refused = {name for name in FAMILIES if tiny_config(name, VOCAB).model_type in UNPACKABLE_MODEL_TYPES}
+    assert refused == set(NO_PACKING)
+
+
 def test_packed_equals_padded_or_is_refused(family) -> None:
     name, module = family
     if name in NO_PACKING:
@@ -155,6 +174,8 @@ def test_lora_lands_on_every_decoder_linear_layer_and_expert_weight(family) -> N
     assert len(adapted) == len(linears) - len(left_out) + len(experts)
     assert bool(experts) == (name in MOE)
     assert bool(left_out) == (name in LEFT_OUT)
+    subclassed = [n for n in linears if type(base.get_submodule(n)).__name__ == LINEAR_SUBCLASSES.get(name)]
+    assert bool(subclassed) == (name in LINEAR_SUBCLASSES)  # a forward of their own, adapted all the same
     assert not any("lm_head" in n for n in adapted)
     coverage = module.model.lora_coverage  # the build-time check counts the same
     assert not coverage.missing_modules and not coverage.missing_parameters

@@ -7,6 +7,7 @@ import torch
 
 from lit_instruct.data.collate import PackCollator
 from lit_instruct.data.render import Sample
+from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.models.packing import PACKED_ATTENTION, attention_implementation
 from tests.helpers import GradCapture, Recorder, make, trainer
@@ -103,7 +104,8 @@ def test_bf16_autocast_trains_packed_with_the_fused_loss_like_fp32(
 
 
 def test_checkpoint_layers_needs_gradient_checkpointing(tiny_model_dir, chat_file) -> None:
-    with pytest.raises(ValueError, match=r"checkpoint_layers needs model\.gradient_checkpointing"):
+    refusal = r"^model\.checkpoint_layers: 1 cannot be combined with model\.gradient_checkpointing: false"
+    with pytest.raises(ConfigError, match=refusal):
         make(tiny_model_dir, chat_file, checkpoint_layers=1)
 
 

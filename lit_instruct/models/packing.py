@@ -30,6 +30,23 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from lit_instruct.models.decoder import decoder_of
 
+UNPACKABLE_MODEL_TYPES = {
+    **dict.fromkeys(
+        ("falcon_h1", "granitemoehybrid", "jamba", "bamba", "nemotron_h", "zamba2", "mamba", "mamba2"),
+        "carries Mamba state from token to token",
+    ),
+    "falcon_mamba": "carries Mamba state from token to token",
+    "qwen3_next": "carries delta-net state from token to token",
+    "qwen3_5_text": "carries delta-net state from token to token",
+    "qwen3_5": "carries delta-net state from token to token",
+    "lfm2": "mixes neighbouring tokens in its short convolutions",
+    "llama4_text": "applies its attention chunks through the mask",
+    "phimoe": "applies its sliding window through the mask",
+}
+"""Model types whose packed rows the build check refuses (their layers mix tokens across samples
+other than through attention), refused from the config before any weights are read; the build
+check stays the guard for every other model."""
+
 PACKED_ATTENTION = {"sdpa": "lit_packed_sdpa", "eager": "lit_packed_eager"}
 """The model's attention implementation -> its packing-aware wrapper (registered in transformers)."""
 

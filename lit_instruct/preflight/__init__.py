@@ -17,6 +17,7 @@ from torch import nn
 from lit_instruct.errors import ConfigError
 from lit_instruct.models.load import QuantizationConfig, load_base_model
 from lit_instruct.models.lora import LoRAConfig, attach_lora, lora_config_of, with_adapter_structure
+from lit_instruct.models.packing import UNPACKABLE_MODEL_TYPES
 from lit_instruct.preflight.adapter_fit import adapter_on_skeleton, check_adapter_folder
 from lit_instruct.preflight.model_source import model_source
 from lit_instruct.rules import check_values, flatten, refuse_conflicts
@@ -64,6 +65,14 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     name = settings["model.model"]
     source = model_source(name)
     skeleton = _skeleton(source, settings)
+    model_type = str(getattr(skeleton.config, "model_type", "?"))
+    if settings.get("model.packing") and model_type in UNPACKABLE_MODEL_TYPES:
+        raise ConfigError(
+            "data.packing",
+            f"true cannot be combined with model.model {name!r}: a {model_type} model "
+            f"{UNPACKABLE_MODEL_TYPES[model_type]}, so a packed row is not its samples run alone; "
+            "set data.packing: false",
+        )
     parameters = sum(p.numel() for p in skeleton.parameters())
     head = skeleton.get_output_embeddings()
     quantized = sum(
@@ -80,7 +89,7 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     text = getattr(skeleton.config, "text_config", None) or skeleton.config
     return ModelPlan(
         source=source,
-        model_type=str(getattr(skeleton.config, "model_type", "?")),
+        model_type=model_type,
         parameters=parameters,
         trainable=sum(p.numel() for p in wrapped.parameters() if p.requires_grad),
         coverage=coverage,

@@ -1,0 +1,331 @@
+"""Options tried together: every pair of levels of the factors below appears in some case (a greedy
+all-pairs set, :mod:`tests.allpairs`). Each case is run as ``fit`` runs it: the config check first
+(values, pairs, the model's structure on its weightless skeleton). It is either refused there, with
+one line naming a setting of the case and the other setting (or the model's layers) it cannot go
+with, or it trains one optimizer step on a tiny model of its family, where these always hold:
+
+* the step's loss is finite and equals the model's own ``forward(labels=...)`` on the same
+  micro-batches (a packed row: each of its samples alone), token-weighted over the accumulation;
+* the coverage line's counts equal an independent count of the adapted layers and expert weights;
+* no adapter outside what was asked (targets, layers), none on the output head;
+* each option shows in what was built (rank, DoRA magnitudes, rsLoRA scale, LoRA+ groups, 4-bit
+  layers, packed rows, grown vocabulary, micro-batches per step).
+
+A case that passes the config check and then fails in the build or the step fails the test: what
+cannot work must be refused before any weights are read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lit_instruct.data.collate import PadCollator
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.render import Sample
+from lit_instruct.errors import ConfigError
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.preflight import check_config, config_settings
+from lit_instruct.rules import flatten, refuse_conflicts
+from lit_instruct.train.module import InstructLoRAModule
+from tests.allpairs import all_pairs
+from tests.families import build_family
+from tests.helpers import trainer
+
+VOCAB = 49152
+R = 4
+FACTORS: dict[str, list[Any]] = {
+    "family": ["llama", "qwen3_moe", "lfm2"],  # dense, MoE, hybrid (short convolutions + attention)
+    "format": ["chat", "sharegpt", "alpaca", "prompt_completion"],
+    "template": [None, "chatml", "alpaca"],
+    "packing": [False, True],
+    "streaming": [False, True],
+    "turns": [("auto", "answers"), ("per_turn", "answers"), ("last", "answers"), ("joint", "all")],
+    "targets": [
+        ("all-linear", None),
+        ("q_proj,v_proj", None),
+        ("self_attn.o_proj", None),
+        ("all-linear", [1]),
+    ],
+    "variant": [None, "dora", "rslora", "loraplus"],
+    "init": ["default", "gaussian", "pissa", "olora", "eva", "loftq"],
+    "quantization": ["none", "nf4"],
+    "strategy": ["fused_ce", "auto"],
+    "accumulation": [1, 2],
+    "new_tokens": [None, ["<|fact|>"]],
+}
+
+CHATS = [
+    [("user", "What is the capital of France?"), ("assistant", "Paris, the city of light.")],
+    [
+        ("user", "Say hello."),
+        ("assistant", "Hello there!"),
+        ("user", "Louder."),
+        ("assistant", "HELLO THERE!"),
+    ],
+    [("system", "Answer in one word."), ("user", "Colour of the sky?"), ("assistant", "Blue, mostly.")],
+    [("user", "Two plus two?"), ("assistant", "Four, as always.")],
+    [("user", "Name a fruit."), ("assistant", "An apple, crunchy and sweet.")],
+    [("user", "Spell cat."), ("assistant", "C-A-T, three letters.")],
+]
+
+
+def record(chat: list[tuple[str, str]], fmt: str) -> dict[str, Any]:
+    """``chat`` as a record of ``fmt``."""
+    if fmt == "chat":
+        return {"messages": [{"role": r, "content": c} for r, c in chat]}
+    if fmt == "sharegpt":
+        names = {"system": "system", "user": "human", "assistant": "gpt"}
+        return {"conversations": [{"from": names[r], "value": c} for r, c in chat]}
+    system = next((c for r, c in chat if r == "system"), None)
+    user, answer = [c for r, c in chat if r == "user"][-1], [c for r, c in chat if r == "assistant"][-1]
+    if fmt == "alpaca":
+        return {"instruction": user, "input": "", "output": answer, **({"system": system} if system else {})}
+    return {"prompt": user, "completion": answer}
+
+
+def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, Any]:
+    """The ``fit`` config (as LightningCLI parses it) of ``case``."""
+    targets, layers = case["targets"]
+    multi_turn, train_on = case["turns"]
+    lora: dict[str, Any] = {"r": R, "alpha": 8.0, "target_modules": targets.split(","), "init": case["init"]}
+    lora |= {"layers_to_transform": layers} if layers else {}
+    lora |= {"use_dora": True} if case["variant"] == "dora" else {}
+    lora |= {"use_rslora": True} if case["variant"] == "rslora" else {}
+    lora |= {"loraplus_lr_ratio": 4.0} if case["variant"] == "loraplus" else {}
+    quantization = {"method": case["quantization"], "compute_dtype": "float32"}
+    return {
+        "model": {
+            "model": model,
+            "lora": lora,
+            "quantization": quantization,
+            "packing": case["packing"],
+            "learning_rate": 1e-3,
+            "warmup_steps": 0,
+        },
+        "data": {
+            "tokenizer": model,
+            "train_files": [data_file],
+            "chat_template": case["template"],
+            "packing": case["packing"],
+            "streaming": case["streaming"],
+            "multi_turn": multi_turn,
+            "train_on": train_on,
+            "new_tokens": case["new_tokens"],
+            "batch_size": 3,
+            "val_fraction": 0.0,
+            "cache": False,
+        },
+        "trainer": {
+            "strategy": case["strategy"],
+            "accumulate_grad_batches": case["accumulation"],
+            "max_steps": 1,
+        },
+    }
+
+
+def statically_accepted(case: dict[str, Any]) -> bool:
+    """What the generator steers by: cases the table of refused pairs lets through."""
+    try:
+        refuse_conflicts(flatten(settings_of(case, "m", "d")))
+    except ConfigError:
+        return False
+    return True
+
+
+def needed(case: dict[str, Any]) -> dict[str, Any]:
+    """The levels another level needs: LoftQ an NF4 base."""
+    return {"quantization": "nf4"} if case["init"] == "loftq" else {}
+
+
+CASES, LONE = all_pairs(FACTORS, statically_accepted, seed=0, fill=needed)
+
+
+def case_id(case: dict[str, Any]) -> str:
+    targets, layers = case["targets"]
+    parts = [
+        case["family"],
+        case["format"],
+        str(case["template"] or "own"),
+        case["init"],
+        case["quantization"],
+    ]
+    parts += ["packed" * case["packing"], "streamed" * case["streaming"], "-".join(case["turns"]), targets]
+    parts += [f"layers{layers}" if layers else "", str(case["variant"] or ""), case["strategy"]]
+    parts += [f"accum{case['accumulation']}", "newtok" if case["new_tokens"] else ""]
+    return "/".join(p for p in parts if p)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[str, Path]:
+    """Each family's tiny model, with SmolLM2's tokenizer (and chat template) beside it."""
+    dirs = {}
+    for family in FACTORS["family"]:
+        path = build_family(family, VOCAB, tmp_path_factory.mktemp(family))
+        tokenizer.save_pretrained(path)
+        dirs[family] = path
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pairwise-data")
+    files = {}
+    for fmt in FACTORS["format"]:
+        files[fmt] = folder / f"{fmt}.jsonl"
+        files[fmt].write_text("".join(json.dumps(record(chat, fmt)) + "\n" for chat in CHATS * 2))
+    return files
+
+
+class StepReference(L.Callback):
+    """The model's own loss on each micro-batch of the first optimizer step, before that step."""
+
+    def __init__(self) -> None:
+        self.sums: list[float] = []
+        self.counts: list[int] = []
+        self.packed: list[bool] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, module: Any, batch: dict[str, Any], batch_idx: int
+    ) -> None:
+        if trainer.global_step > 0:
+            return
+        self.packed.append("packed_segments" in batch)
+        with torch.no_grad():
+            for sample_batch in _alone(batch):
+                count = int((sample_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+                if count:
+                    loss = module.model(**sample_batch, use_cache=False).loss
+                    self.sums.append(float(loss) * count)
+                    self.counts.append(count)
+
+    @property
+    def loss(self) -> float:
+        return sum(self.sums) / sum(self.counts)
+
+
+def _alone(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """A padded batch as it is; a packed row as each of its samples alone."""
+    if "packed_segments" not in batch:
+        return [{k: batch[k] for k in ("input_ids", "attention_mask", "labels")}]
+    bounds = batch["packed_segments"]
+    out = []
+    for start, end in itertools.pairwise(bounds):
+        ids = batch["input_ids"][0, start:end].tolist()
+        out.append(PadCollator(0)([Sample(ids, batch["labels"][0, start:end].tolist(), "s")]))
+    return [{k: b[k] for k in ("input_ids", "attention_mask", "labels")} for b in out]
+
+
+def adapted(module: InstructLoRAModule) -> tuple[list[str], list[str]]:
+    """Independently of the coverage line: the names of the adapted 2-D weights (linear layers, by
+    module or by weight) and 3-D expert weights, from what peft put in the model."""
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    linear, experts = [], []
+    for name, layer in module.model.base_model.model.named_modules():
+        if not isinstance(layer, LoraLayer) or "default" not in layer.lora_A:
+            continue
+        if isinstance(layer, ParamWrapper):
+            weight = layer.get_param()
+            (experts if weight.dim() == 3 else linear).append(f"{name}.{layer.parameter_name}")
+        else:
+            linear.append(name)
+    return linear, experts
+
+
+def assert_within_request(case: dict[str, Any], names: list[str], module: InstructLoRAModule) -> None:
+    targets, layers = case["targets"]
+    head = next(n for n, m in module.model.base_model.model.named_modules() if m is module.lm_head)
+    for name in names:
+        stem = re.sub(r"\.(weight|gate_up_proj|down_proj)$", "", name) if "experts" not in name else name
+        assert not stem.startswith(head), name
+        if targets != "all-linear":
+            assert any(stem == t or stem.endswith(f".{t}") for t in targets.split(",")), name
+        if layers:
+            index = re.search(r"\.layers\.(\d+)\.", name)
+            assert index is not None and int(index.group(1)) in layers, name
+
+
+def assert_options_show(case: dict[str, Any], module: InstructLoRAModule, trained: L.Trainer) -> None:
+    from peft.tuners.lora.layer import LoraLayer
+
+    layers = [m for m in module.model.modules() if isinstance(m, LoraLayer) and "default" in m.lora_A]
+    if case["init"] != "eva":  # EVA redistributes the ranks
+        assert {m.r["default"] for m in layers} == {R}
+    if case["variant"] == "dora":
+        assert all(
+            "default" in m.lora_magnitude_vector for m in layers if hasattr(m, "lora_magnitude_vector")
+        )
+    if case["variant"] == "rslora":
+        assert {m.scaling["default"] for m in layers} <= {8.0 / math.sqrt(m.r["default"]) for m in layers}
+    if case["variant"] == "loraplus":
+        groups = trained.optimizers[0].param_groups
+        assert len(groups) == 2 and groups[1]["initial_lr"] == pytest.approx(4.0 * groups[0]["initial_lr"])
+    if case["quantization"] == "nf4":
+        import bitsandbytes as bnb
+
+        assert any(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules())
+    if case["new_tokens"]:
+        assert module.base_model.get_input_embeddings().weight.shape[0] > VOCAB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_a_combination_trains_right_or_is_refused_at_config_time(
+    case: dict[str, Any], family_dirs: dict[str, Path], data_files: dict[str, Path], tmp_path: Path
+) -> None:
+    model = str(family_dirs[case["family"]])
+    config = settings_of(case, model, str(data_files[case["format"]]))
+    settings = config_settings(config)
+    try:
+        check_config(config)
+    except ConfigError as refusal:
+        text = str(refusal)
+        assert "\n" not in text
+        named = [k for k in settings if re.search(rf"(^|\W){re.escape(k)}\b", text) and "." in k]
+        assert text.startswith(tuple(f"{k}: " for k in named)), text
+        assert len(set(named)) >= 2 or re.search(r"layers?|weight|module", text), text
+        return
+    L.seed_everything(0)
+    data = InstructDataModule(**config["data"])
+    module = InstructLoRAModule(**config["model"], added_tokens=data.new_token_list())
+    reference = StepReference()
+    run = trainer(
+        tmp_path,
+        max_steps=1,
+        accumulate_grad_batches=case["accumulation"],
+        strategy=case["strategy"],
+        callbacks=[reference],
+        limit_val_batches=0,
+    )
+    run.fit(module, datamodule=data)
+    loss = float(run.callback_metrics["train/loss"])
+    assert math.isfinite(loss)
+    assert loss == pytest.approx(reference.loss, rel=1e-4)
+    assert len(reference.packed) == case["accumulation"] and set(reference.packed) == {case["packing"]}
+    linear, experts = adapted(module)
+    expected = f"LoRA: {len(linear)} of {len(linear)} linear layers"
+    expected += f", {len(experts)} of {len(experts)} expert weights" if experts else ""
+    assert module.model.lora_coverage.line().startswith(expected)
+    assert_within_request(case, linear + experts, module)
+    assert_options_show(case, module, run)
+
+
+def test_the_pairwise_set_covers_every_pair_in_few_cases() -> None:
+    """Every pair of levels is in a case the table of refused pairs lets through, or tried alone."""
+    from tests.allpairs import pairs_of
+
+    index = {name: {repr(level): i for i, level in enumerate(levels)} for name, levels in FACTORS.items()}
+    covered = set().union(*(pairs_of({k: index[k][repr(v)] for k, v in case.items()}) for case in CASES))
+    names = sorted(FACTORS)
+    total = sum(len(FACTORS[a]) * len(FACTORS[b]) for i, a in enumerate(names) for b in names[i + 1 :])
+    assert len(covered) == total
+    assert len(CASES) < 60
