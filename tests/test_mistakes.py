@@ -4,6 +4,7 @@ weights are read: the model here has unreadable weights, so reading them would f
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -206,3 +207,12 @@ def test_check_prints_the_plan_without_weights(
     base = sum(p.numel() for name, p in built.base_model.named_parameters() if "lora_" not in name)
     assert f"lit-instruct check: model: {unreadable_model} (llama, {base:,} parameters)" in out
     assert "peak memory estimate: " in out
+
+
+def test_the_readme_lists_every_refused_pair() -> None:
+    """Each row of the table of refused pairs is in the README's table, and no other row is."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("**Refused pairs**", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split(" | ")[:2] for line in table.splitlines()[2:]]
+    listed = [(re.findall(r"`([\w.]+)", a)[0], re.findall(r"`([\w.]+)", b)[0]) for a, b in rows]
+    assert sorted(listed) == sorted((c.first, c.second) for c in CONFLICTS)
