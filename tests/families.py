@@ -240,16 +240,37 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_kv_shared_layers": 0,
         },
     ),
+    "falcon": (  # Falcon-7B's layout: every layer a FalconLinear (an nn.Linear subclass with its own forward)
+        "FalconConfig",
+        {"ffn_hidden_size": 96, "multi_query": True, "parallel_attn": True},
+    ),
 }
+
+
+def tiny_config(name: str, vocab_size: int) -> Any:
+    """The config of family ``name`` (of :data:`FAMILIES`) at the tiny size."""
+    import transformers
+
+    config_class, extra = FAMILIES[name]
+    config = getattr(transformers, config_class)(vocab_size=vocab_size, **{**COMMON, **extra})
+    config.tie_word_embeddings = False
+    return config
+
+
+def meta_model(name: str, vocab_size: int) -> torch.nn.Module:
+    """The skeleton of a tiny model of family ``name`` on the meta device: names and shapes, no weights
+    (what a config-time check sees)."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(tiny_config(name, vocab_size))
 
 
 def tiny_model(name: str, vocab_size: int) -> torch.nn.Module:
     """A tiny random model of family ``name`` (of :data:`FAMILIES`)."""
     import transformers
 
-    config_class, extra = FAMILIES[name]
-    config = getattr(transformers, config_class)(vocab_size=vocab_size, **{**COMMON, **extra})
-    config.tie_word_embeddings = False
+    config = tiny_config(name, vocab_size)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # spread the head's weights so the logit transforms bend
@@ -299,6 +320,7 @@ LABELS = {
     "jamba": "Jamba (Mamba + attention, MoE)",
     "gemma3n": "Gemma 3n text (AltUp, Laurel, per-layer inputs)",
     "gemma4": "Gemma 4 text",
+    "falcon": "Falcon (`FalconLinear`, multi-query, parallel attention)",
 }
 """How the README's support matrix names each family."""
 
@@ -335,6 +357,9 @@ LEFT_OUT = {  # by the build-time rules of lit_instruct.models.lora_targets
     "llama4": (".router",),  # not a plain linear layer
     "phimoe": (".router",),
 }
+LINEAR_SUBCLASSES = {"falcon": "FalconLinear"}
+"""Families whose linear layers are an ``nn.Linear`` subclass with a forward of its own (a plain
+linear map, so adapted)."""
 SHARP = {  # fp32 rounding of reordered sums passes 1e-5 relative in some LoRA gradients, packed vs
     # padded; in float64 they agree to 1e-14, so packing is tested there, and the loss at 1e-4
     "gemma4",  # 2.8e-5: attention logits of RMS-normed q and k, unscaled

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,11 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_instruct.models.lora_targets import LoRATargets, check_coverage, lora_targets
+from lit_instruct.models.lora_targets import (
+    LoRAConfigError,
+    check_coverage,
+    check_lora_names,
+    check_targeted,
+    lora_targets,
+)
 from lit_instruct.models.residual_init import is_residual_init
 
-LAYER_INDEX = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
-"""The decoder-layer index in a module name, as peft's ``layers_to_transform`` reads it."""
+__all__ = ["LoRAConfig", "LoRAConfigError", "attach_lora", "check_lora_names", "load_lora"]
 
 
 @dataclass
@@ -48,7 +52,8 @@ class LoRAConfig:
     fit starts: :mod:`lit_instruct.models.eva_init`); ``loftq`` (NF4 bases: the quantization error's
     best rank-r fit). CorDA is refused."""
     layers_to_transform: list[int] | None = None
-    """Only these decoder layers (by index) get adapters."""
+    """Only these decoder layers (by index) get adapters: their linear layers, expert weights and
+    layers adapted through their weight, and no other (each index must be a layer of the model)."""
     rank_pattern: dict[str, int] = field(default_factory=dict)
     """Ranks other than ``r`` for the modules whose names match these keys (peft's regex keys)."""
     alpha_pattern: dict[str, float] = field(default_factory=dict)
@@ -71,22 +76,6 @@ REFUSED_INITS = {
 }
 
 
-def only_layers(targets: LoRATargets, layers: list[int]) -> LoRATargets:
-    """``targets`` within the decoder layers numbered ``layers`` (what peft's ``layers_to_transform``
-    adapts: names with a ``.<index>.`` layer component)."""
-    keep = {int(i) for i in layers}
-
-    def within(names: list[str]) -> list[str]:
-        return [n for n in names if (m := LAYER_INDEX.search(n)) and int(m.group(1)) in keep]
-
-    return replace(
-        targets,
-        modules=within(targets.modules),
-        parameters=within(targets.parameters),
-        by_weight=within(targets.by_weight),
-    )
-
-
 def attach_lora(
     model: nn.Module,
     lora: LoRAConfig,
@@ -99,8 +88,14 @@ def attach_lora(
 
     ``target_modules: [all-linear]`` adapts every linear layer but the output head and every 3-D
     expert weight (peft's ``target_parameters``). What peft adapted is then checked against what was
-    asked (:mod:`lit_instruct.models.lora_targets`): a shortfall raises unless ``lora.allow_partial``; the
-    result is the returned model's ``lora_coverage``. ``probe``: see :func:`lora_targets`.
+    asked (:mod:`lit_instruct.models.lora_targets`): a shortfall raises unless ``lora.allow_partial``, an
+    adapter nobody asked for always; the result is the returned model's ``lora_coverage``. ``probe``: see
+    :func:`lora_targets`.
+
+    Raises:
+        LoRAConfigError: a LoRA setting names nothing in ``model`` (:func:`check_lora_names`), or a
+            targeted linear layer is not a plain linear map.
+        LoRACoverageError: peft's adapters are not exactly the targets.
     """
     from peft import EvaConfig, LoraConfig, get_peft_model
 
@@ -115,9 +110,9 @@ def attach_lora(
             f"model.lora.init: {lora.init} with DoRA, or rsLoRA with rank/alpha patterns: its adapter could "
             "not be saved as plain LoRA on the original base (peft cannot convert those either)"
         )
-    targets = lora_targets(model, lora.target_modules, probe)
-    if lora.layers_to_transform is not None:
-        targets = only_layers(targets, lora.layers_to_transform)
+    check_lora_names(model, lora)
+    targets = lora_targets(model, lora.target_modules, probe, lora.layers_to_transform)
+    check_targeted(targets, lora)  # again after the probe forward, which may leave layers out
     by_weight = targets.parameters + targets.by_weight
     if by_weight and lora.use_dora:
         raise ValueError(

@@ -2,13 +2,20 @@
 
 ``target_modules: [all-linear]`` asks for every linear layer of the decoder (``nn.Linear`` and
 transformers' ``Conv1D``; fused ``qkv_proj`` / ``gate_up_proj`` included) and every 3-D expert weight
-of MoE layers, but the output head. Documented exclusions, named on the coverage line: linear
-subclasses whose forward is not a plain linear layer (MoE routers that return routing tuples: a LoRA
-layer around them fails), the ``out_proj`` of Mamba mixers (their fused kernels read the weight),
-layers whose weight the model reads without calling them (found by a probe forward), and on a
-multimodal model everything outside its language model. After peft has attached the adapters,
-what it adapted is compared with what was asked: a shortfall is an error that names the modules,
-never a silently partial adapter.
+of MoE layers, but the output head. A linear subclass of a class of its own (Falcon's ``FalconLinear``)
+is adapted when its forward is the plain linear map of its weight and bias (checked on a probe input;
+on the meta device it cannot be, and the build checks it again with weights); one whose forward is not
+is an error that names it. Documented exclusions, named on the coverage line: the MoE routers we know
+(``nn.Linear`` subclasses whose forward returns routing tuples: a LoRA layer around them fails), the
+``out_proj`` of Mamba mixers (their fused kernels read the weight), layers whose weight the model reads
+without calling them (found by a probe forward), and on a multimodal model everything outside its
+language model. After peft has attached the adapters, what it adapted is compared with what was asked:
+a shortfall or an adapter nobody asked for is an error that names the modules, never a silently
+partial or misplaced adapter.
+
+:func:`check_lora_names` checks every name a LoRA setting gives (target modules, layer indices,
+rank and alpha pattern keys, ``modules_to_save``) against the model's names, without a forward pass,
+so it also runs on a model built on the meta device.
 
 peft rewrites targets named like the experts of transformers 4 (``gate_proj``, ``up_proj``,
 ``down_proj``, ``gate``, ``w1``-``w3``) into the fused expert weights of transformers 5 for some MoE
@@ -20,13 +27,20 @@ weight instead (peft's ``target_parameters``, which that rewrite leaves alone): 
 
 from __future__ import annotations
 
+import difflib
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.weight_reads import weights_read_directly
+
+if TYPE_CHECKING:
+    from lit_instruct.models.lora import LoRAConfig
 
 MAMBA_MODEL_TYPES = frozenset(
     {"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h", "bamba", "granitemoehybrid", "zamba2"}
@@ -35,10 +49,30 @@ MAMBA_MODEL_TYPES = frozenset(
 (peft refuses the first five; transformers' Bamba, Granite 4 and Zamba2 mixers do the same)."""
 PEFT_MOE_RENAMED = frozenset({"gate_proj", "up_proj", "down_proj", "gate", "w1", "w2", "w3"})
 """Target names peft's transformers-v4 MoE conversion turns into the experts' fused weights."""
+KNOWN_ROUTERS = frozenset(
+    {
+        "transformers.models.llama4.modeling_llama4.Llama4Router",
+        "transformers.models.phimoe.modeling_phimoe.PhimoeTopKRouter",
+    }
+)
+"""``nn.Linear`` subclasses that are MoE routers: their forward returns routing tuples (a LoRA layer
+around one fails), so they are left out by name."""
+LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")
+"""peft's rule for the decoder-layer index of a name (``layers_to_transform`` without
+``layers_pattern``): the first numbered segment followed by a dot."""
+PROBE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-2}
+"""How far (relative to the largest output) a linear subclass's output may be from ``F.linear`` and
+still count as a plain linear map: matmul rounding, TF32 matmuls included for float32; 3e-2 for half
+types. A forward that is not the linear map (scaled, biased otherwise, dequantized) is off by far more."""
 
 
 class LoRACoverageError(ValueError):
-    """peft did not put an adapter on every module or expert weight that was asked for."""
+    """peft did not put an adapter exactly on the modules and expert weights that were asked for."""
+
+
+class LoRAConfigError(ValueError):
+    """A LoRA setting names something this model does not have, or a layer that cannot be adapted;
+    the message is one line and starts with the setting (``model.lora.target_modules: ...``)."""
 
 
 @dataclass
@@ -55,11 +89,18 @@ class LoRATargets:
     so the coverage check names them."""
     probed: bool = True
     """Whether a forward looked for layers whose weight the model reads without calling them."""
+    unprobed: list[str] = field(default_factory=list)
+    """Linear subclasses taken for plain linear layers without a probe (no weights: meta device)."""
     peft_renamed: frozenset[str] = frozenset()
     """The target names peft rewrites into expert weights for this model."""
     left_out: dict[str, list[str]] = field(default_factory=dict)
     peft_modules: list[str] = field(default_factory=list)
     peft_parameters: list[str] = field(default_factory=list)
+
+    def peft_keys(self) -> list[str]:
+        """The names peft adapts and matches rank and alpha pattern keys against."""
+        kept = [name for name in self.modules if name not in self.stuck]
+        return kept + self.parameters + [f"{name}.weight" for name in self.by_weight]
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -70,11 +111,48 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def _plain(module: nn.Module) -> bool:
-    """Its forward is a linear layer's: ``nn.Linear``'s or ``Conv1D``'s own, or a quantized linear's."""
+    """Its class's forward is a linear layer's: ``nn.Linear``'s or ``Conv1D``'s own, or a
+    bitsandbytes quantized linear's."""
     from transformers.pytorch_utils import Conv1D
 
     kind = type(module)
     return kind.forward in (nn.Linear.forward, Conv1D.forward) or kind.__module__.startswith("bitsandbytes")
+
+
+def is_router(module: nn.Module) -> bool:
+    """One of the :data:`KNOWN_ROUTERS` classes (or a subclass of one)."""
+    return any(f"{kind.__module__}.{kind.__qualname__}" in KNOWN_ROUTERS for kind in type(module).__mro__)
+
+
+def not_a_linear_map(module: nn.Module) -> str | None:
+    """Why ``module``'s forward is not the plain linear map of its weight and bias (its output on a
+    probe input compared with ``F.linear``, in training mode), or ``None`` when it is."""
+    from transformers.pytorch_utils import Conv1D
+
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    bias: torch.Tensor | None = getattr(module, "bias", None)
+    if not weight.is_floating_point() or weight.element_size() < 2:
+        return f"its weight is {weight.dtype}, not a float type F.linear takes"
+    conv1d = isinstance(module, Conv1D)  # weight (in, out)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, weight.shape[0 if conv1d else 1], generator=generator)
+    x = x.to(weight.device, weight.dtype)
+    training = module.training
+    module.train()
+    try:
+        with torch.no_grad():
+            out = module(x)
+            expected = nn.functional.linear(x, weight.T if conv1d else weight, bias)
+    except Exception as failure:  # any forward that cannot take a plain linear input is not one
+        return f"its forward fails on a linear layer's input ({type(failure).__name__})"
+    finally:
+        module.train(training)
+    if not isinstance(out, torch.Tensor) or out.shape != expected.shape:
+        return f"its forward returns {type(out).__name__}, not the output of a linear layer"
+    tolerance = PROBE_TOLERANCE.get(weight.dtype, 3e-2) * float(expected.abs().max())
+    if float((out - expected).abs().max()) > tolerance:
+        return "its output on a probe input is not F.linear(x, weight, bias)"
+    return None
 
 
 def _matches(name: str, target: str) -> bool:
@@ -82,14 +160,41 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-def lora_targets(model: Any, target_modules: list[str], probe: bool = True) -> LoRATargets:
-    """The modules (and for ``all-linear`` the expert weights) that must get adapters. ``probe``:
-    run one forward to find the layers the model never calls (every rank must agree: ranks built
-    on the meta device cannot run it, so a low-memory FSDP build skips it everywhere)."""
-    names = [name for name, _ in model.named_modules() if name]
+def layer_index(name: str) -> int | None:
+    """The decoder-layer index of a module or parameter name, by peft's rule (:data:`LAYER_INDEX`)."""
+    found = LAYER_INDEX.match(name)
+    return int(found.group("idx")) if found else None
+
+
+def lora_targets(
+    model: Any, target_modules: list[str], probe: bool = True, layers: Sequence[int] | None = None
+) -> LoRATargets:
+    """The modules (and for ``all-linear`` the expert weights) that must get adapters, within the
+    decoder layers numbered ``layers`` if given (``layers_to_transform``). ``probe``: run one forward
+    to find the layers the model never calls (every rank must agree: ranks built on the meta device
+    cannot run it, so a low-memory FSDP build skips it everywhere). A linear subclass is probed
+    wherever it has weights: it is adapted or refused, the same placement on every rank.
+
+    Raises:
+        LoRAConfigError: a targeted linear subclass whose forward is not a plain linear map.
+    """
+    targets = candidates(model, target_modules, probe)
+    if layers is not None:
+        targets = within_layers(targets, layers)
+    return _finish(model, targets)
+
+
+def candidates(model: Any, target_modules: list[str], probe: bool = False) -> LoRATargets:
+    """The targets before the layer filter and the probe forward (names, classes and the linear
+    subclasses' probe only)."""
     if target_modules not in (["all-linear"], "all-linear"):
-        asked = [name for name in names if any(_matches(name, t) for t in target_modules)]
-        return _finish(model, names, LoRATargets(modules=asked, probed=probe))
+        asked = [
+            (name, m) for name, m in model.named_modules() if any(_matches(name, t) for t in target_modules)
+        ]
+        targets = LoRATargets(modules=[], probed=probe)
+        for name, module in asked:
+            _sort(targets, name, module, None)
+        return _check_linear_maps(model, targets)
     head = model.get_output_embeddings()
     mamba = getattr(model.config, "model_type", None) in MAMBA_MODEL_TYPES
     text = _language_model_prefix(model)
@@ -97,25 +202,68 @@ def lora_targets(model: Any, target_modules: list[str], probe: bool = True) -> L
     for name, module in model.named_modules():
         if not is_linear(module) or module is head:
             continue
+        reason = None
         if not name.startswith(text):
             reason = "outside the language model (vision or audio tower, projector: text never reaches it)"
         elif mamba and name.rsplit(".", 1)[-1] == "out_proj":
             reason = "Mamba out_proj (the fused Mamba kernels read its weight, never calling the layer)"
-        elif not _plain(module):
-            reason = f"{type(module).__name__} (its forward is not a plain linear layer: a router)"
-        else:
-            targets.modules.append(name)
-            continue
-        targets.left_out.setdefault(reason, []).append(name)
-    experts = {
-        f"{module_name}.{name}": f"{module_name.rsplit('.', 1)[-1]}.{name}"
+        _sort(targets, name, module, reason)
+    targets.parameters = sorted(
+        f"{module_name}.{name}"
         for module_name, module in model.named_modules()
         for name, p in module.named_parameters(recurse=False)
         if p.dim() == 3 and not isinstance(module, nn.Conv1d) and module_name.startswith(text)
-    }
-    targets.parameters = sorted(experts)
-    targets.peft_parameters = sorted(set(experts.values()))
-    return _finish(model, names, targets)
+    )
+    return _check_linear_maps(model, targets)
+
+
+def _sort(targets: LoRATargets, name: str, module: nn.Module, reason: str | None) -> None:
+    """Add ``name`` to the targets, or to what is left out (for ``reason``, or as a known router)."""
+    if reason is None and is_linear(module) and is_router(module):
+        reason = f"{type(module).__name__} (its forward is not a plain linear layer: a router)"
+    if reason is None:
+        targets.modules.append(name)
+    else:
+        targets.left_out.setdefault(reason, []).append(name)
+
+
+def _check_linear_maps(model: Any, targets: LoRATargets) -> LoRATargets:
+    """Probe the targeted linear subclasses that are not plain by class; refuse those that are not
+    plain linear maps, by name; note those with no weights to probe."""
+    modules = dict(model.named_modules())
+    refused: dict[str, list[str]] = {}
+    for name in targets.modules:
+        module = modules[name]
+        if not is_linear(module) or _plain(module):
+            continue
+        if module.weight.device.type == "meta":
+            targets.unprobed.append(name)
+        elif (why := not_a_linear_map(module)) is not None:
+            refused.setdefault(f"{type(module).__name__} ({why})", []).append(name)
+    if refused:
+        shown = "; ".join(f"{kind}: {_some(names)}" for kind, names in refused.items())
+        raise LoRAConfigError(
+            f"model.lora.target_modules: linear layers of a class whose forward is not a plain linear layer, "
+            f"which a LoRA adapter around them would not train as one: {shown}. Name the modules to adapt "
+            "in model.lora.target_modules, leaving these out"
+        )
+    return targets
+
+
+def within_layers(targets: LoRATargets, layers: Sequence[int]) -> LoRATargets:
+    """``targets`` within the decoder layers numbered ``layers`` (peft's ``layers_to_transform`` rule,
+    applied here to the expert weights and to what is left out as well)."""
+    keep = {int(i) for i in layers}
+
+    def within(names: list[str]) -> list[str]:
+        return [name for name in names if layer_index(name) in keep]
+
+    left_out = {reason: within(names) for reason, names in targets.left_out.items()}
+    targets.modules = within(targets.modules)
+    targets.parameters = within(targets.parameters)
+    targets.unprobed = within(targets.unprobed)
+    targets.left_out = {reason: names for reason, names in left_out.items() if names}
+    return targets
 
 
 def _language_model_prefix(model: Any) -> str:
@@ -131,8 +279,9 @@ def _language_model_prefix(model: Any) -> str:
     return f"{name}." if name and multimodal else ""
 
 
-def _finish(model: Any, names: list[str], targets: LoRATargets) -> LoRATargets:
-    """Leave out the layers the model never calls; name the rest to peft so that it adapts them."""
+def _finish(model: Any, targets: LoRATargets) -> LoRATargets:
+    """Leave out the layers the model never calls; name the rest to peft so that it adapts exactly
+    them."""
     linear = [name for name in targets.modules if is_linear(model.get_submodule(name))]
     for name in weights_read_directly(model, linear) if targets.probed else []:
         targets.modules.remove(name)
@@ -140,7 +289,14 @@ def _finish(model: Any, names: list[str], targets: LoRATargets) -> LoRATargets:
         reason = f"{leaf} (its parent reads the weight, never calling the layer: an adapter would not train)"
         targets.left_out.setdefault(reason, []).append(name)
     _adapt_renamed_by_weight(model, targets)
+    names = [name for name, _ in model.named_modules() if name]
     targets.peft_modules = _peft_names(names, [n for n in targets.modules if n not in targets.stuck])
+    parameters = [
+        f"{m}.{p}" for m, module in model.named_modules() for p, _ in module.named_parameters(recurse=False)
+    ]
+    targets.peft_parameters = _peft_names(parameters, targets.parameters, parts=2) + [
+        f"{name}.weight" for name in targets.by_weight
+    ]
     return targets
 
 
@@ -176,16 +332,16 @@ def _adapt_renamed_by_weight(model: Any, targets: LoRATargets) -> None:
             targets.by_weight.append(name)
         else:
             targets.stuck.append(name)
-    targets.peft_parameters += [f"{name}.weight" for name in targets.by_weight]
 
 
-def _peft_names(names: list[str], asked: list[str]) -> list[str]:
-    """The shortest peft targets that match exactly ``asked``: a leaf name where every module so
-    named is asked for (``q_proj``), else the full names (``altup_projections.0``, a router's twin)."""
+def _peft_names(names: list[str], asked: list[str], parts: int = 1) -> list[str]:
+    """The shortest peft targets that match exactly ``asked`` (of ``names``): the last ``parts``
+    dotted parts where every name so ending is asked for (``q_proj``, ``experts.down_proj``), else
+    the full names (``altup_projections.0``, a router's twin, the layers of ``layers_to_transform``)."""
     wanted = set(asked)
     by_leaf: dict[str, list[str]] = {}
     for name in asked:
-        by_leaf.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+        by_leaf.setdefault(".".join(name.split(".")[-parts:]), []).append(name)
     out: list[str] = []
     for leaf, members in sorted(by_leaf.items()):
         exact = all(name in wanted for name in names if _matches(name, leaf))
@@ -211,6 +367,10 @@ class LoRACoverage:
             text += f", {adapted} of {len(t.parameters)} expert weights"
         left = [f"{reason} x{len(names)}" for reason, names in t.left_out.items()]
         text += f" (left out: {'; '.join(left)})" if left else ""
+        if t.unprobed:
+            text += (
+                f" ({len(t.unprobed)} linear subclasses taken for plain linear layers, unprobed: no weights)"
+            )
         return text + ("" if t.probed else " (layers the model never calls not probed: low_memory_load)")
 
     def hparams(self) -> dict[str, float]:
@@ -227,7 +387,7 @@ class LoRACoverage:
 
 def check_coverage(peft_model: Any, targets: LoRATargets, allow_partial: bool = False) -> LoRACoverage:
     """Compare peft's record of what it adapted with ``targets``; raise on a shortfall unless
-    ``allow_partial``."""
+    ``allow_partial``, and on any adapter outside ``targets`` always."""
     tuner = peft_model.base_model
     adapted = set(tuner.targeted_module_names)
     adapted_parameters = set(getattr(tuner, "targeted_parameter_names", []))
@@ -237,9 +397,16 @@ def check_coverage(peft_model: Any, targets: LoRATargets, allow_partial: bool = 
         + [name for name in targets.by_weight if f"{name}.weight" not in adapted_parameters],
         [name for name in targets.parameters if name not in adapted_parameters],
     )
+    unasked = sorted(adapted - set(targets.modules)) + sorted(
+        adapted_parameters - set(targets.parameters) - {f"{name}.weight" for name in targets.by_weight}
+    )
+    if unasked:
+        raise LoRACoverageError(
+            f"{coverage.line()}: peft also put adapters on {_some(unasked)}, which nobody asked for (not in "
+            "model.lora.target_modules within model.lora.layers_to_transform): refusing misplaced adapters"
+        )
     missing = coverage.missing_modules + coverage.missing_parameters
     if missing and not allow_partial:
-        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         cause = ""
         if targets.peft_renamed and {n.rsplit(".", 1)[-1] for n in missing} <= targets.peft_renamed:
             cause = (
@@ -249,8 +416,153 @@ def check_coverage(peft_model: Any, targets: LoRATargets, allow_partial: bool = 
                 "through its weight instead)"
             )
         raise LoRACoverageError(
-            f"{coverage.line()}: no adapter on {shown}{cause}. Name the modules to adapt in "
+            f"{coverage.line()}: no adapter on {_some(missing)}{cause}. Name the modules to adapt in "
             "model.lora.target_modules, or set model.lora.allow_partial: true to train with the "
             "adapters peft placed"
         )
     return coverage
+
+
+def _some(names: Sequence[str], shown: int = 6) -> str:
+    """``a, b, c and 4 more``."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def check_lora_names(model: nn.Module, lora: LoRAConfig) -> None:
+    """Refuse a LoRA setting that names nothing in ``model``: a target module that matches no module
+    (with the closest names), a ``layers_to_transform`` index that is not one of its layers, a
+    ``rank_pattern`` / ``alpha_pattern`` key that matches no targeted module, a ``modules_to_save``
+    name that matches no module, or targets that leave nothing to adapt. Reads names only (no
+    forward), so it runs on a model built on the meta device; :func:`attach_lora` runs it too.
+
+    Raises:
+        LoRAConfigError: one line, starting with the setting (``model.lora.target_modules: ...``).
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    linear = [name for name, module in model.named_modules() if is_linear(module)]
+    _check_target_modules(names, linear, lora.target_modules)
+    _check_modules_to_save(names, lora.modules_to_save)
+    every = candidates(model, lora.target_modules)
+    if lora.layers_to_transform is not None:
+        _check_layers(names, lora)
+        every = within_layers(every, lora.layers_to_transform)
+    check_targeted(_finish(model, every), lora)
+
+
+def _check_target_modules(names: list[str], linear: list[str], target_modules: list[str]) -> None:
+    if target_modules in (["all-linear"], "all-linear"):
+        return
+    if not target_modules:
+        raise LoRAConfigError(
+            "model.lora.target_modules is empty: name the modules to adapt, or [all-linear]"
+        )
+    unmatched = [t for t in target_modules if not any(_matches(name, t) for name in names)]
+    if unmatched:
+        raise LoRAConfigError(
+            "model.lora.target_modules: "
+            + "; ".join(
+                f"{t!r} matches no module of this model ({_closest(t, names, linear)})" for t in unmatched
+            )
+            + ("; all-linear stands alone, as [all-linear]" if "all-linear" in unmatched else "")
+        )
+
+
+def _check_modules_to_save(names: list[str], modules_to_save: list[str]) -> None:
+    """peft's rule for ``modules_to_save``: a module whose name ends with the entry."""
+    unmatched = [m for m in modules_to_save if not any(name.endswith(m) for name in names)]
+    if unmatched:
+        raise LoRAConfigError(
+            "model.lora.modules_to_save: "
+            + "; ".join(
+                f"{m!r} matches no module of this model ({_closest(m, names, names)})" for m in unmatched
+            )
+        )
+
+
+def _check_layers(names: list[str], lora: LoRAConfig) -> None:
+    """Every index a layer of the model; every listed target matching a module within them."""
+    layers = lora.layers_to_transform or []
+    if not layers:
+        raise LoRAConfigError(
+            "model.lora.layers_to_transform is empty: list layer indices, or leave it unset"
+        )
+    present = sorted({i for i in map(layer_index, names) if i is not None})
+    absent = [i for i in layers if i not in present]
+    if absent:
+        raise LoRAConfigError(
+            f"model.lora.layers_to_transform: {', '.join(map(str, absent))} "
+            f"{'is not a layer' if len(absent) == 1 else 'are not layers'} of this model "
+            f"(its layers: {_ranges(present)})"
+        )
+    if lora.target_modules in (["all-linear"], "all-linear"):
+        return
+    outside = [
+        t for t in lora.target_modules if not any(_matches(n, t) and layer_index(n) in layers for n in names)
+    ]
+    if outside:
+        raise LoRAConfigError(
+            f"model.lora.target_modules: {', '.join(map(repr, outside))} "
+            f"{'matches' if len(outside) == 1 else 'match'} no module within "
+            f"model.lora.layers_to_transform {list(layers)}"
+        )
+
+
+def check_targeted(targets: LoRATargets, lora: LoRAConfig) -> None:
+    """Something is left to adapt, and every ``rank_pattern`` / ``alpha_pattern`` key reaches every
+    targeted layer it names, by peft's rule (``(.*\\.)?key$`` on the names peft adapts).
+
+    Raises:
+        LoRAConfigError: naming the setting and the key.
+    """
+    peft_keys = targets.peft_keys()
+    if not peft_keys:
+        left = "; ".join(f"{reason} x{len(names)}" for reason, names in targets.left_out.items())
+        raise LoRAConfigError(
+            f"model.lora.target_modules: {lora.target_modules} leave nothing to adapt"
+            + (
+                f" within model.lora.layers_to_transform {lora.layers_to_transform}"
+                if lora.layers_to_transform
+                else ""
+            )
+            + (f" (left out: {left})" if left else "")
+        )
+    for setting in ("rank_pattern", "alpha_pattern"):
+        for key in getattr(lora, setting):
+            _check_pattern_key(f"model.lora.{setting}", key, targets, peft_keys)
+
+
+def _check_pattern_key(setting: str, key: str, targets: LoRATargets, peft_keys: list[str]) -> None:
+    try:
+        pattern = re.compile(rf"(.*\.)?({key})$")
+    except re.error as failure:
+        raise LoRAConfigError(f"{setting}: {key!r} is not a regular expression ({failure})") from failure
+    named = [name for name in targets.by_weight if pattern.match(name)]
+    if not named and not any(pattern.match(name) for name in peft_keys):
+        closest = _closest(key, peft_keys, peft_keys)
+        raise LoRAConfigError(f"{setting}: {key!r} matches no targeted module of this model ({closest})")
+    missed = [name for name in named if not pattern.match(f"{name}.weight")]
+    if missed:
+        raise LoRAConfigError(
+            f"{setting}: {key!r} does not reach {_some(missed)}, adapted through its weight (peft matches "
+            f"the key against {missed[0]}.weight): write the key to match the weight, e.g. '{key}.weight'"
+        )
+
+
+def _closest(word: str, names: Iterable[str], fallback: Sequence[str]) -> str:
+    """``closest: v_proj, o_proj``: the names (ending parts of as many dots as ``word``) difflib
+    finds closest; else some of the ``fallback`` names' last parts."""
+    parts = word.count(".") + 1
+    endings = sorted({".".join(name.split(".")[-parts:]) for name in names})
+    close = difflib.get_close_matches(word, endings, n=2)
+    if close:
+        return f"closest: {', '.join(close)}"
+    leaves = sorted({name.rsplit(".", 1)[-1] for name in fallback if not name.rsplit(".", 1)[-1].isdigit()})
+    return f"none close; its names include {_some(leaves)}" if leaves else "none close"
+
+
+def _ranges(indices: list[int]) -> str:
+    """``0-23`` for a contiguous run, else the indices."""
+    if len(indices) > 1 and indices == list(range(indices[0], indices[-1] + 1)):
+        return f"{indices[0]}-{indices[-1]}"
+    return ", ".join(map(str, indices)) or "none"
