@@ -249,6 +249,20 @@ def prepare_main(argv: list[str]) -> None:
     sys.stdout.write(f"{args.model}: {path}\n")
 
 
+def check_paths(args: argparse.Namespace) -> None:
+    """``--adapter`` and ``--model`` / ``--base`` of ``export``, ``generate``, ``eval`` and ``chat``,
+    checked before anything loads (a mistake is one line, exit 2)."""
+    from lit_instruct.preflight.adapter_fit import check_adapter_folder
+    from lit_instruct.preflight.model_source import model_source
+
+    if getattr(args, "adapter", None):
+        check_adapter_folder(args.adapter, "--adapter")
+    for flag in ("model", "base"):
+        value = getattr(args, flag, None)
+        if isinstance(value, str):
+            model_source(value, f"--{flag}")
+
+
 TEMPLATE_HELP = (
     "chat template: Jinja text, a .jinja file, or 'alpaca' (default: the one saved with the adapter "
     "at training, else the tokenizer's)"
@@ -287,6 +301,7 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--base", help="base model (default: the adapter's base_model_name_or_path)")
     parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
+    check_paths(args)
     if args.gguf_adapter:
         from lit_instruct.export.gguf_lora import write_lora_gguf
 
@@ -334,6 +349,7 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
+    check_paths(args)
     model, tokenizer = load_for_generation(args.model, args.adapter)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
@@ -366,6 +382,7 @@ def eval_main(argv: list[str]) -> None:
     parser.add_argument("--answers", help="write each record's prompt, reference and answer to this JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
+    check_paths(args)
     args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
     module = load_adapter_module(args.adapter, args.model)  # once, for the numbers and the answers
     results = evaluate(module, args.data, args.base, args.max_seq_len, args.batch_size, args.chat_template)
@@ -397,6 +414,7 @@ def chat_main(argv: list[str]) -> None:
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
+    check_paths(args)
     args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
     model, tokenizer = load_for_generation(args.model, args.adapter)
     context = args.context_length or getattr(model.config, "max_position_embeddings", 2048)

@@ -216,3 +216,17 @@ def test_the_readme_lists_every_refused_pair() -> None:
     rows = [line.split(" | ")[:2] for line in table.splitlines()[2:]]
     listed = [(re.findall(r"`([\w.]+)", a)[0], re.findall(r"`([\w.]+)", b)[0]) for a, b in rows]
     assert sorted(listed) == sorted((c.first, c.second) for c in CONFLICTS)
+
+
+@pytest.mark.parametrize(
+    ("command", "line"),
+    [
+        (["generate", "--adapter", "nope", "--prompt", "hi"], "config error: --adapter: 'nope' is no folder; "),
+        (["export", "--adapter", "nope", "--out", "x"], "config error: --adapter: 'nope' is no folder; "),
+        (["eval", "--adapter", "nope", "--data", "x.jsonl"], "config error: --adapter: 'nope' is no folder; "),
+        (["chat", "--model", "./nope"], "config error: --model: './nope' is no folder here; "),
+    ],
+    ids=["generate", "export", "eval", "chat"],
+)
+def test_the_other_commands_name_a_wrong_path(command: list[str], line: str, capsys) -> None:
+    assert refused(command, capsys).startswith(f"lit-instruct: {line}")

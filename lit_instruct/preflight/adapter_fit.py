@@ -22,7 +22,7 @@ def saved_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}  # noqa: SIM118
 
 
-def check_adapter_folder(adapter: str) -> Path:
+def check_adapter_folder(adapter: str, setting: str = "model.adapter") -> Path:
     """``adapter`` as a folder holding a PEFT adapter's config and weights.
 
     Raises:
@@ -33,7 +33,7 @@ def check_adapter_folder(adapter: str) -> Path:
         if not (folder / file).is_file():
             what = "no folder" if not folder.is_dir() else f"a folder without {file}"
             raise ConfigError(
-                "model.adapter",
+                setting,
                 f"{adapter!r} is {what}; give a PEFT adapter folder ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS})",
             )
     return folder

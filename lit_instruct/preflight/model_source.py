@@ -14,16 +14,16 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``owner/name`` as the Hugging Face Hub spells repository ids."""
 
 
-def _no_model(name: str, why: str) -> ConfigError:
+def _no_model(name: str, why: str, setting: str) -> ConfigError:
     bundled = ", ".join(sorted(BUNDLED_MODELS))
     return ConfigError(
-        "model.model",
+        setting,
         f"{name!r} {why}; give a transformers model folder (with config.json), a bundled name ({bundled}) "
         "or a hub id (owner/name)",
     )
 
 
-def model_source(name: str) -> str:
+def model_source(name: str, setting: str = "model.model") -> str:
     """The local folder or hub id ``name`` loads from (a bundled model is prepared on first use).
 
     Raises:
@@ -35,21 +35,22 @@ def model_source(name: str) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise _no_model(name, "is a folder without config.json (not a transformers model)")
+            raise _no_model(name, "is a folder without config.json (not a transformers model)", setting)
         return str(path)
     if path.exists():
-        raise _no_model(name, "is a file, not a model folder")
+        raise _no_model(name, "is a file, not a model folder", setting)
     if not HUB_ID.fullmatch(name) or name.startswith((".", "~")):
-        raise _no_model(name, "is no folder here")
+        raise _no_model(name, "is no folder here", setting)
     from huggingface_hub import constants, try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return name
     if constants.HF_HUB_OFFLINE:
-        raise _no_model(name, "is no folder here and no cached hub model, and HF_HUB_OFFLINE is set")
+        raise _no_model(name, "is no folder here and no cached hub model, and HF_HUB_OFFLINE is set", setting)
     if not reachable(constants.ENDPOINT):
         raise _no_model(
             name,
             f"is no folder here and no cached hub model, and the hub ({constants.ENDPOINT}) is unreachable",
+            setting,
         )
     return name
