@@ -218,12 +218,15 @@ def test_the_readme_lists_every_refused_pair() -> None:
     assert sorted(listed) == sorted((c.first, c.second) for c in CONFLICTS)
 
 
+NO_ADAPTER = "config error: --adapter: 'nope' is no folder; "
+
+
 @pytest.mark.parametrize(
     ("command", "line"),
     [
-        (["generate", "--adapter", "nope", "--prompt", "hi"], "config error: --adapter: 'nope' is no folder; "),
-        (["export", "--adapter", "nope", "--out", "x"], "config error: --adapter: 'nope' is no folder; "),
-        (["eval", "--adapter", "nope", "--data", "x.jsonl"], "config error: --adapter: 'nope' is no folder; "),
+        (["generate", "--adapter", "nope", "--prompt", "hi"], NO_ADAPTER),
+        (["export", "--adapter", "nope", "--out", "x"], NO_ADAPTER),
+        (["eval", "--adapter", "nope", "--data", "x.jsonl"], NO_ADAPTER),
         (["chat", "--model", "./nope"], "config error: --model: './nope' is no folder here; "),
     ],
     ids=["generate", "export", "eval", "chat"],
