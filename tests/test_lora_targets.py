@@ -13,6 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from lit_instruct.errors import ConfigError
 from lit_instruct.models.lora import LoRAConfig, attach_lora
 from lit_instruct.models.lora_targets import (
     LoRAConfigError,
@@ -110,7 +111,7 @@ def test_a_layer_peft_rewrites_that_cannot_be_adapted_by_weight_is_an_error() ->
         attach_lora(with_a_custom_shared_up_proj(), LoRAConfig(r=4))
     message = str(refused.value)
     assert message.startswith(
-        "LoRA: 15 of 16 linear layers, 2 of 2 expert weights: "
+        "model.lora.target_modules: LoRA: 15 of 16 linear layers, 2 of 2 expert weights: "
         "no adapter on model.layers.1.mlp.shared_experts.up_proj"
     )
     assert "for deepseek_v3 models" in message and "model.lora.allow_partial: true" in message
@@ -152,7 +153,10 @@ def test_layers_the_model_never_calls_are_left_out_by_the_build_probe() -> None:
 
 
 def test_dropout_where_peft_adapts_through_the_weight_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"model\.lora\.dropout is 0\.1, but model\.layers\.1\.mlp\.experts"):
+    refusal = (
+        r"^model\.lora\.dropout: 0\.1 cannot be combined with model\.lora\.target_modules \['all-linear'\] "
+    )
+    with pytest.raises(ConfigError, match=refusal + r"here: model\.layers\.1\.mlp\.experts"):
         attach_lora(tiny("deepseek_v3"), LoRAConfig(r=4, dropout=0.1))
 
 
@@ -216,7 +220,7 @@ def test_an_adapter_nobody_asked_for_is_an_error() -> None:
     for allow_partial in (False, True):
         with pytest.raises(
             LoRACoverageError,
-            match=r"^LoRA: 2 of 2 linear layers: peft also put adapters on "
+            match=r"^model\.lora\.target_modules: LoRA: 2 of 2 linear layers: peft also put adapters on "
             r"model\.layers\.0\.self_attn\.v_proj, model\.layers\.1\.self_attn\.v_proj, which nobody",
         ):
             check_coverage(peft_model, targets, allow_partial)

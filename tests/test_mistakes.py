@@ -14,6 +14,7 @@ import pytest
 
 from lit_instruct.cli import main
 from lit_instruct.errors import ConfigError
+from lit_instruct.preflight import NOT_PROBED
 from lit_instruct.rules import CONFLICTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +204,9 @@ def test_check_prints_the_plan_without_weights(
     built = InstructLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4))
     trainable = sum(p.numel() for p in built.parameters() if p.requires_grad)
     coverage = built.model.lora_coverage.line()
-    assert f"lit-instruct check: adapters: {coverage}; {trainable:,} trainable parameters" in out
+    assert (
+        f"lit-instruct check: adapters: {coverage} ({NOT_PROBED}); {trainable:,} trainable parameters" in out
+    )
     base = sum(p.numel() for name, p in built.base_model.named_parameters() if "lora_" not in name)
     assert f"lit-instruct check: model: {unreadable_model} (llama, {base:,} parameters)" in out
     assert "peak memory estimate: " in out

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_instruct.errors import ConfigError
 from lit_instruct.models.lora_targets import (
     LoRAConfigError,
     check_coverage,
@@ -70,10 +71,30 @@ class LoRAConfig:
     the coverage line); otherwise that is an error at build."""
 
 
-INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "eva", "loftq")
-REFUSED_INITS = {
-    "corda": "needs its own covariance pass with peft's preprocessing, which lit-instruct does not do yet",
-}
+def refuse_by_weight(lora: LoRAConfig, by_weight: list[str], residual: bool) -> None:
+    """Refuse the settings peft cannot honour on layers adapted through their weight (expert weights,
+    or dense layers peft would rename into them)."""
+    where = (
+        f"model.lora.target_modules {lora.target_modules} here: {by_weight[0]} (and {len(by_weight) - 1} "
+        "more) is adapted through its weight (expert weights, or layers peft would rename into them)"
+    )
+    dense = "name the dense layers in model.lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
+    if lora.use_dora:
+        raise ConfigError(
+            "model.lora.use_dora",
+            f"true cannot be combined with {where}, which peft's DoRA cannot do: {dense}",
+        )
+    if residual or lora.init == "eva":
+        raise ConfigError(
+            "model.lora.init",
+            f"{lora.init!r} cannot be combined with {where}, which it cannot initialise: {dense}",
+        )
+    if lora.dropout:
+        raise ConfigError(
+            "model.lora.dropout",
+            f"{lora.dropout} cannot be combined with {where}, where peft has no dropout: set "
+            f"model.lora.dropout: 0, or {dense}",
+        )
 
 
 def attach_lora(
@@ -81,6 +102,7 @@ def attach_lora(
     lora: LoRAConfig,
     probe: bool = True,
     trainable_tokens: dict[str, list[int]] | None = None,
+    initialise: bool = True,
 ) -> Any:
     """Wrap ``model`` in a peft LoRA model; every non-adapter parameter is frozen but the rows of
     ``trainable_tokens`` (module name -> token ids: peft's ``trainable_token_indices``; a module in
@@ -90,7 +112,8 @@ def attach_lora(
     expert weight (peft's ``target_parameters``). What peft adapted is then checked against what was
     asked (:mod:`lit_instruct.models.lora_targets`): a shortfall raises unless ``lora.allow_partial``, an
     adapter nobody asked for always; the result is the returned model's ``lora_coverage``. ``probe``: see
-    :func:`lora_targets`.
+    :func:`lora_targets`. ``initialise: false`` (a weightless skeleton): every check, peft's default
+    init instead of ``lora.init`` (the adapters' structure is the same).
 
     Raises:
         LoRAConfigError: a LoRA setting names nothing in ``model`` (:func:`check_lora_names`), or a
@@ -100,37 +123,18 @@ def attach_lora(
     from peft import EvaConfig, LoraConfig, get_peft_model
 
     residual = is_residual_init(lora.init)
-    if lora.init not in ("default", "gaussian", "eva", "loftq") and not residual:
-        why = REFUSED_INITS.get(lora.init, f"is not one of {INITS}")
-        raise ValueError(f"model.lora.init: {lora.init!r} {why}")
-    if lora.init == "eva" and lora.use_dora:
-        raise ValueError("model.lora.init: eva with DoRA: peft's EVA sets plain LoRA layers only")
-    if residual and (lora.use_dora or (lora.use_rslora and (lora.rank_pattern or lora.alpha_pattern))):
-        raise ValueError(
-            f"model.lora.init: {lora.init} with DoRA, or rsLoRA with rank/alpha patterns: its adapter could "
-            "not be saved as plain LoRA on the original base (peft cannot convert those either)"
+    if residual and lora.use_rslora and (lora.rank_pattern or lora.alpha_pattern):
+        raise ConfigError(
+            "model.lora.init",
+            f"{lora.init!r} cannot be combined with model.lora.use_rslora: true and rank or alpha patterns: "
+            "its adapter could not be saved as plain LoRA on the original base (nor can peft convert it)",
         )
     check_lora_names(model, lora)
     targets = lora_targets(model, lora.target_modules, probe, lora.layers_to_transform)
     check_targeted(targets, lora)  # again after the probe forward, which may leave layers out
     by_weight = targets.parameters + targets.by_weight
-    if by_weight and lora.use_dora:
-        raise ValueError(
-            f"model.lora.use_dora, but {by_weight[0]} (and {len(by_weight) - 1} more) is adapted through its "
-            "weight (expert weights, or layers peft would rename into them), which peft's DoRA cannot do: "
-            "name the dense layers in model.lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj])"
-        )
-    if by_weight and (residual or lora.init == "eva"):
-        raise ValueError(
-            f"model.lora.init: {lora.init} on {by_weight[0]} (and {len(by_weight) - 1} more), adapted "
-            "through its weight (expert weights): name the dense layers in model.lora.target_modules"
-        )
-    if by_weight and lora.dropout:
-        raise ValueError(
-            f"model.lora.dropout is {lora.dropout}, but {by_weight[0]} (and {len(by_weight) - 1} more) is "
-            "adapted through its weight (expert weights, or layers peft would rename into them), where peft "
-            "has no dropout: set model.lora.dropout: 0, or name other target_modules"
-        )
+    if by_weight:
+        refuse_by_weight(lora, by_weight, residual)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates int, takes any number
@@ -139,8 +143,8 @@ def attach_lora(
         target_parameters=targets.peft_parameters or None,
         use_rslora=lora.use_rslora,
         use_dora=lora.use_dora,
-        init_lora_weights=True if lora.init in ("default", "loftq") else lora.init,  # type: ignore[arg-type]
-        eva_config=EvaConfig() if lora.init == "eva" else None,
+        init_lora_weights=True if lora.init in ("default", "loftq") or not initialise else lora.init,  # type: ignore[arg-type]
+        eva_config=EvaConfig() if lora.init == "eva" and initialise else None,
         layers_to_transform=lora.layers_to_transform,
         rank_pattern=lora.rank_pattern,
         alpha_pattern=lora.alpha_pattern,
@@ -180,17 +184,18 @@ def load_lora(model: nn.Module, adapter: str | Path) -> Any:
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             peft_model: Any = PeftModel.from_pretrained(model, folder, is_trainable=True)
     except (RuntimeError, ValueError) as failure:  # size mismatch, target modules not found
-        raise ValueError(f"model.adapter {folder} does not fit this base model: {failure}") from failure
+        raise ConfigError("model.adapter", f"{folder} does not fit this base model: {failure}") from failure
     loaded = get_peft_model_state_dict(peft_model)
     unplaced = sorted(set(saved) ^ set(loaded))
     if unplaced:
-        raise ValueError(
-            f"model.adapter {folder}: {len(unplaced)} adapter tensors are not both saved and placed in this "
-            f"base model (e.g. {unplaced[0]}): an adapter of another base?"
+        raise ConfigError(
+            "model.adapter",
+            f"{folder}: {len(unplaced)} adapter tensors are not both saved and placed in this "
+            f"base model (e.g. {unplaced[0]}): an adapter of another base?",
         )
     for key, tensor in saved.items():
         if not torch.equal(loaded[key].cpu().to(tensor.dtype), tensor):
-            raise ValueError(f"model.adapter {folder}: {key} did not load as saved")
+            raise ConfigError("model.adapter", f"{folder}: {key} did not load as saved")
     return peft_model
 
 
@@ -225,8 +230,9 @@ def with_adapter_structure(asked: LoRAConfig, saved: LoRAConfig) -> LoRAConfig:
         mine, theirs = getattr(asked, name), getattr(saved, name)
         same = set(mine) == set(theirs) if name in ("target_modules", "modules_to_save") else mine == theirs
         if mine != getattr(default, name) and not same:
-            raise ValueError(
-                f"model.lora.{name} is {mine!r}, but model.adapter was trained with {theirs!r}: the adapter "
-                f"fixes the LoRA structure; leave model.lora.{name} unset"
+            raise ConfigError(
+                f"model.lora.{name}",
+                f"{mine!r} cannot be combined with model.adapter, trained with {theirs!r}: the adapter "
+                f"fixes the LoRA structure; leave model.lora.{name} unset",
             )
     return replace(asked, **{name: getattr(saved, name) for name in STRUCTURE})

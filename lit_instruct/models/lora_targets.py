@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lit_instruct.errors import ConfigError
 from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.weight_reads import weights_read_directly
 
@@ -66,13 +67,27 @@ still count as a plain linear map: matmul rounding, TF32 matmuls included for fl
 types. A forward that is not the linear map (scaled, biased otherwise, dequantized) is off by far more."""
 
 
-class LoRACoverageError(ValueError):
+class LoRACoverageError(ConfigError):
     """peft did not put an adapter exactly on the modules and expert weights that were asked for."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__("model.lora.target_modules", message)
+        self.message = message
 
-class LoRAConfigError(ValueError):
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message,))
+
+
+class LoRAConfigError(ConfigError):
     """A LoRA setting names something this model does not have, or a layer that cannot be adapted;
     the message is one line and starts with the setting (``model.lora.target_modules: ...``)."""
+
+    def __init__(self, message: str) -> None:
+        setting, _, rest = message.partition(": ")
+        super().__init__(setting, rest)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self),))
 
 
 @dataclass

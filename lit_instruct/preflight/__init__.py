@@ -22,6 +22,8 @@ from lit_instruct.preflight.adapter_fit import adapter_on_skeleton, check_adapte
 from lit_instruct.preflight.model_source import model_source
 from lit_instruct.rules import check_values, flatten, refuse_conflicts
 
+NOT_PROBED = "layers the model never calls: found when the weights load"
+
 
 def config_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """The flat settings (``model.lora.r``...) of a parsed ``fit`` config, defaults filled in for the
@@ -83,9 +85,11 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
         if adapter is not None:
             wrapped = adapter_on_skeleton(adapter, skeleton, name)
             coverage = f"LoRA: continues {adapter}"
-        else:  # the structure of any init is the default's; the init itself needs the weights
-            wrapped = attach_lora(skeleton, replace(lora, init="default"), probe=False)
-            coverage = wrapped.lora_coverage.line()
+        else:  # every check of the init too; the init itself needs the weights
+            wrapped = attach_lora(skeleton, lora, probe=False, initialise=False)
+            found = wrapped.lora_coverage
+            probed = replace(found, targets=replace(found.targets, probed=True))
+            coverage = f"{probed.line()} ({NOT_PROBED})"
     text = getattr(skeleton.config, "text_config", None) or skeleton.config
     return ModelPlan(
         source=source,
