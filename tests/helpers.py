@@ -147,3 +147,35 @@ BAD_LINES = {  # reason: (line 2 of a file between two good lines, the expected 
     ),
     "not_an_object": ("[1, 2]", r"record must be a JSON object, got list"),
 }
+
+
+def recorded_fit(
+    module: InstructLoRAModule,
+    data: L.LightningDataModule,
+    root: Path,
+    max_steps: int,
+    *callbacks,
+    **fit_kwargs,
+) -> Recorder:
+    """Fit deterministically for ``max_steps`` (no validation) with a :class:`Recorder` and ``callbacks``;
+    ``fit_kwargs`` go to ``Trainer.fit`` (``ckpt_path``)."""
+    recorder = Recorder()
+    run = trainer(root, max_steps=max_steps, limit_val_batches=0, deterministic=True)
+    run.callbacks += [recorder, *callbacks]
+    run.fit(module, datamodule=data, **fit_kwargs)
+    return recorder
+
+
+def assert_resumed_as_uninterrupted(resumed: Recorder, uninterrupted: Recorder, done: int) -> None:
+    """The steps after a resume at step ``done`` have the uninterrupted run's losses, and end on its
+    weights."""
+    assert len(resumed.losses) == len(uninterrupted.losses) - done > 0
+    torch.testing.assert_close(
+        torch.tensor(resumed.losses), torch.tensor(uninterrupted.losses[done:]), atol=1e-6, rtol=0
+    )
+    final, expected = resumed.states[-1][0], uninterrupted.states[-1][0]
+    assert final.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(
+            final[name], expected[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )

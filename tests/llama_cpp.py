@@ -2,7 +2,8 @@
 ``convert_lora_to_gguf.py`` ship, pure Python, in the ``llama-cpp-python`` source distribution on PyPI.
 
 The sdist is downloaded once (``pip download``, no build) and its converter folder extracted into the
-lit-instruct cache; tests skip with the reason where the registry cannot be reached.
+lit-instruct cache; tests skip with the reason where the registry cannot be reached, and fail in CI
+(``CI=true``), whose ``.ci/run`` fetches it first (``python -m tests.llama_cpp``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from lit_instruct.io import atomic_directory
 from lit_instruct.models import cache_dir
+from tests.ci import require_or_skip
 
 VERSION = "0.3.36"
 MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/")
@@ -34,7 +35,8 @@ def converter_dir() -> Path:
         command += [f"llama-cpp-python=={VERSION}", "-d", download, "--disable-pip-version-check"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
-            pytest.skip(f"llama-cpp-python {VERSION} sdist not downloadable: {done.stderr.strip()[-300:]}")
+            error = done.stderr.strip()[-300:]
+            require_or_skip(f"llama-cpp-python {VERSION} sdist not downloadable: {error}")
         (sdist,) = Path(download).glob("*.tar.gz")
         prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar, atomic_directory(folder) as staging:
@@ -116,3 +118,7 @@ def differences(ours: Path, theirs: Path, allowed: set[str] = frozenset({"genera
         elif not np.array_equal(data.view(np.uint8), their_data.view(np.uint8)):
             found.append(f"tensor {name}: data differ")
     return found
+
+
+if __name__ == "__main__":  # fetch the converters into the cache (CI, before the tests)
+    print(f"llama.cpp converters in {converter_dir()}")

@@ -14,6 +14,7 @@ import pytest
 from lit_instruct.cli import main
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.labels import IGNORE_INDEX
+from tests.ci import require_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,8 +88,9 @@ class Spans(HTMLParser):
             self.samples[self.origin] += data
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt install chromium)")
 def test_the_html_report_marks_the_labels_in_a_real_browser(tiny_model_dir, chat_file, tmp_path) -> None:
+    if shutil.which("chromium") is None:
+        require_or_skip("needs Debian's chromium (apt-get install chromium)")
     page = tmp_path / "report.html"
     main(args_for(tiny_model_dir, chat_file, "--samples", "50", "--html", str(page)))
     browser = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]

@@ -51,12 +51,18 @@ def test_nf4_base_stays_close_to_the_fp32_base(tiny_model_dir, tokenizer) -> Non
 
 
 @needs_bitsandbytes
-def test_4bit_layers_keep_their_trainable_layout_after_eval_forwards(tiny_model_dir, tokenizer) -> None:
-    """bitsandbytes >= 0.49 repacks 4-bit weights on an AVX512-BF16 CPU at the first no-grad eval
-    forward (our build checks run such forwards) into a layout with no input gradient: the gradient
-    through the base layer must still be the dequantized weight's (this machine has AVX512-BF16)."""
+def test_4bit_layers_keep_their_trainable_layout_after_eval_forwards(
+    tiny_model_dir, tokenizer, monkeypatch
+) -> None:
+    """bitsandbytes >= 0.49 repacks 4-bit weights at the first no-grad eval forward on a CPU it finds
+    AVX512-BF16 on (our build checks run such forwards) into a layout with no input gradient: the
+    gradient through the base layer must still be the dequantized weight's. bitsandbytes asks the CPU
+    once per layer, when it is built: here it is told yes, so the repacking path is live on any CPU."""
+    import bitsandbytes
     from bitsandbytes.functional import dequantize_4bit
 
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
+    assert bitsandbytes.nn.Linear4bit(64, 64).support_avx512bf16_for_cpu  # what every layer is built with
     model = load_base_model(str(tiny_model_dir), quantization=NF4_FP32).eval()
     with torch.no_grad():
         model(**batch_of(tokenizer))

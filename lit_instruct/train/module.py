@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -22,13 +22,14 @@ from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
 from lit_instruct.models.build import ModelOptions, build_trainable_model
 from lit_instruct.models.decoder import decoder_of
-from lit_instruct.models.eva_init import initialise_eva
+from lit_instruct.models.eva_init import EvaResult, apply_eva_ranks, initialise_eva
 from lit_instruct.models.fused_lora import fuse_lora
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model
+from lit_instruct.train.resume import resumed_entry
 from lit_instruct.train.rng_states import RestoreRNGStates
 from lit_instruct.train.throughput import TokensPerSecond
 from lit_instruct.train.window import TokenWindow, gradient_factor, scale_gradients
@@ -48,6 +49,19 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> A
 
 
 LossChoice = Literal["fused", "reference"]
+
+EVA_RANKS_KEY = "eva_ranks"
+"""Checkpoint entry of the ranks EVA's data pass gave each adapted layer (a resume rebuilds with them)."""
+
+
+def check_eva_ranks(saved: dict[str, int] | None, built: dict[str, int] | None) -> None:
+    """Refuse a checkpoint whose EVA ranks are not those the adapters were built with."""
+    if saved is not None and built is not None and saved != built:
+        differ = sorted(name for name in saved.keys() | built.keys() if saved.get(name) != built.get(name))
+        raise ValueError(
+            f"the checkpoint's EVA ranks differ from this model's at {len(differ)} layers ({differ[:3]}): "
+            "resume it with trainer.fit(..., ckpt_path=...), which rebuilds the adapters with its ranks"
+        )
 
 
 def resolve_loss(loss: LossChoice | Callable | None) -> LossFn:
@@ -208,6 +222,8 @@ class InstructLoRAModule(L.LightningModule):
         self.built_on_meta = built.built_on_meta
         self.initial_adapter = built.initial_adapter
         self.eva_pending = self.lora_config.init == "eva" and adapter is None
+        self.eva_ranks: dict[str, int] | None = None  # the ranks EVA gave (checkpoints keep them)
+        self.eva_result: EvaResult | None = None  # this fit's data pass (none when resumed with ranks)
         self.packing = packing
         self.loss_fn: LossFn = resolve_loss(loss)
         self.window = TokenWindow()
@@ -252,17 +268,30 @@ class InstructLoRAModule(L.LightningModule):
             )
 
     def _initialise_eva(self, datamodule: Any) -> None:
-        """``lora.init: eva``: set the adapters from the training batches (on the training device, before
-        the optimizer exists: the ranks may change), then fuse the LoRA layers."""
+        """``lora.init: eva``: set the adapters (before the optimizer exists: the ranks may change), then
+        fuse the LoRA layers. A fit resumed from a checkpoint that records EVA ranks rebuilds them with
+        those (no data pass: the checkpoint's weights replace the adapters); otherwise from the training
+        batches, on the training device."""
+        ranks = resumed_entry(self.trainer, EVA_RANKS_KEY)
+        if ranks is not None:
+            apply_eva_ranks(self.model, ranks)
+            self._eva_done(ranks)
+            return
         if datamodule is None or not hasattr(datamodule, "train_dataloader"):
             raise ValueError("model.lora.init: eva needs a datamodule: its training batches set the adapters")
         self.model.to(self.trainer.strategy.root_device)  # peft moves each batch to the model's device
-        self.initialise_eva(list(datamodule.train_dataloader()))
+        self.initialise_eva(datamodule.train_dataloader())
 
-    def initialise_eva(self, batches: list[dict[str, Any]]) -> None:
-        """Set the adapters of a ``lora.init: eva`` model from ``batches`` (peft's EVA through the
-        trunk), then fuse the LoRA layers."""
-        initialise_eva(self.model, batches, self.trunk)
+    def initialise_eva(self, loader: Iterable[dict[str, Any]]) -> EvaResult:
+        """Set the adapters of a ``lora.init: eva`` model from the first batches of ``loader`` (peft's
+        EVA through the trunk; :data:`~lit_instruct.models.eva_init.EVA_BATCHES` at most), then fuse
+        the LoRA layers."""
+        self.eva_result = initialise_eva(self.model, loader, self.trunk)
+        self._eva_done(self.eva_result.ranks)
+        return self.eva_result
+
+    def _eva_done(self, ranks: dict[str, int]) -> None:
+        self.eva_ranks = dict(ranks)
         if self.hparams["fuse_lora"]:
             self.fused_layers = fuse_lora(self.model)
         self.eva_pending = False
@@ -433,12 +462,15 @@ class InstructLoRAModule(L.LightningModule):
         names = self._trainable_names()  # the strategy's state dict: whole tensors under FSDP too
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in names}
         checkpoint["tokens_seen"] = (self.tokens_seen, self.response_tokens_seen)
+        if self.eva_ranks is not None:
+            checkpoint[EVA_RANKS_KEY] = dict(self.eva_ranks)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Complete the stored adapter weights with the frozen base already loaded, so that loading
         stays strict: a checkpoint that lacks an adapter weight is still an error. (Sharded, the
         strategy has loaded the adapter weights already.)"""
         self.tokens_seen, self.response_tokens_seen = checkpoint.get("tokens_seen", (0, 0))
+        check_eva_ranks(checkpoint.get(EVA_RANKS_KEY), self.eva_ranks)
         if self._sharded:
             return
         trainable = self._trainable_names()
