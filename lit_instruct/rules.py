@@ -57,8 +57,8 @@ VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model.lora.alpha": (lambda v: _number(v) and v > 0, "must be a positive number"),
     "model.lora.dropout": (lambda v: _number(v) and 0 <= v < 1, "must be in [0, 1)"),
     "model.lora.target_modules": (
-        lambda v: _names(v) and len(v) > 0,
-        "must be a non-empty list of module names or patterns, or [all-linear]",
+        lambda v: (_names(v) and len(v) > 0) or v == "all-linear",
+        "must be a non-empty list of module names, or [all-linear]",
     ),
     "model.lora.init": (_init, f"must be one of {', '.join(INITS)} (N: iterations, e.g. pissa_niter_4)"),
     "model.lora.layers_to_transform": (
@@ -150,14 +150,6 @@ def _decomposing(init: Any) -> bool:
 
 
 CONFLICTS: tuple[Conflict, ...] = (
-    Conflict(
-        "model.lora.init",
-        "data.streaming",
-        lambda init, streaming: init == "eva" and bool(streaming),
-        "EVA's data pass reads the training batches before the first step; a stream is read once, by "
-        "the training loop (set data.streaming: false, or another init)",
-        ("eva", True),
-    ),
     Conflict(
         "model.lora.init",
         "model.quantization.method",

@@ -103,10 +103,6 @@ MISTAKES = [
         "lit-instruct: config error: trainer.accumulate_grad_batches: must be a positive integer, got 0",
     ),
     (
-        ["--model.lora.init", "eva", "--data.streaming", "true", "--trainer.max_steps", "5"],
-        "lit-instruct: config error: model.lora.init: 'eva' cannot be combined with data.streaming: true: ",
-    ),
-    (
         ["--data.chat_template", "my_template.jinja"],
         "lit-instruct: config error: data.chat_template: 'my_template.jinja' is no file, no Jinja template",
     ),

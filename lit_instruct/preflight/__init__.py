@@ -104,7 +104,7 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     )
 
 
-def _skeleton(source: str, settings: Mapping[str, Any]) -> nn.Module:
+def _skeleton(source: str, settings: Mapping[str, Any]) -> Any:  # a transformers model: Any
     """The base built on the meta device from its config (no weights read)."""
     try:
         return load_base_model(
