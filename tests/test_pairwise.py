@@ -277,8 +277,11 @@ def assert_options_show(case: dict[str, Any], module: InstructLoRAModule, traine
         assert all(
             "default" in m.lora_magnitude_vector for m in layers if hasattr(m, "lora_magnitude_vector")
         )
-    if case["variant"] == "rslora":
-        assert {m.scaling["default"] for m in layers} <= {8.0 / math.sqrt(m.r["default"]) for m in layers}
+    if case["variant"] == "rslora":  # EVA keeps alpha / r at the asked ratio (peft's adjust_scaling_factors)
+        for m in layers:
+            rank = m.r["default"]
+            alpha = 8.0 * rank / R if case["init"] == "eva" else 8.0
+            assert m.scaling["default"] == pytest.approx(alpha / math.sqrt(rank))
     if case["variant"] == "loraplus":
         groups = trained.optimizers[0].param_groups
         assert len(groups) == 2 and groups[1]["initial_lr"] == pytest.approx(4.0 * groups[0]["initial_lr"])

@@ -107,14 +107,23 @@ def eva_state_dict(
 ) -> tuple[dict[str, torch.Tensor], StepBudget]:
     """peft's EVA components for each adapted layer of ``peft_model`` from ``batches`` (cycled)
     through ``trunk``, in at most ``max_steps`` SVD steps, and the budget that counted them."""
-    from peft.tuners.lora.eva import get_eva_state_dict
+    from peft.tuners.lora import eva
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
 
     budget = StepBudget(lambda model, inputs: trunk(inputs), max_steps)
     was_training = peft_model.training
     peft_model.eval()
-    with torch.no_grad():
-        state = get_eva_state_dict(peft_model, batches, forward_fn=budget, show_progress_bar=False)
-    peft_model.train(was_training)
+    # peft hooks every module with a ``base_layer``: new tokens' rows (trainable tokens) and modules
+    # saved whole have one too, though they hold no LoRA (and the trunk never calls the head)
+    lora_only = eva.UNSUPPORTED_LORA_MODULES
+    eva.UNSUPPORTED_LORA_MODULES = (*lora_only, AuxiliaryTrainingWrapper, TrainableTokensLayer)
+    try:
+        with torch.no_grad():
+            state = eva.get_eva_state_dict(peft_model, batches, forward_fn=budget, show_progress_bar=False)
+    finally:
+        eva.UNSUPPORTED_LORA_MODULES = lora_only
+        peft_model.train(was_training)
     return state, budget
 
 
