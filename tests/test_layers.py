@@ -37,6 +37,8 @@ def imported_by(module: str) -> set[str]:
         ("lit_instruct.loss", TRAINING | EXPORT | INFERENCE | MODELS | DATA, {"lightning", "transformers"}),
         ("lit_instruct.io", TRAINING | EXPORT | INFERENCE | MODELS | DATA | LOSS, {"transformers"}),
         ("lit_instruct.distributed", TRAINING | EXPORT | INFERENCE | MODELS | DATA | LOSS, {"lightning"}),
+        ("lit_instruct.rules", TRAINING | EXPORT | INFERENCE | MODELS | DATA | LOSS, {"torch"}),
+        ("lit_instruct.preflight", TRAINING | EXPORT | INFERENCE | DATA | USER_FACING, set()),
         ("lit_instruct.data.datamodule", TRAINING | EXPORT | INFERENCE | LOSS, set()),
         ("lit_instruct.models", TRAINING | EXPORT | INFERENCE | DATA, set()),
         ("lit_instruct.models.lora", TRAINING | EXPORT | INFERENCE | DATA, set()),
