@@ -7,7 +7,6 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -22,6 +21,7 @@ from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import adapter_chat_template
+from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.preflight import check_config
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
@@ -250,13 +250,17 @@ def prepare_main(argv: list[str]) -> None:
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """``--adapter`` and ``--model`` / ``--base`` of ``export``, ``generate``, ``eval`` and ``chat``,
-    checked before anything loads (a mistake is one line, exit 2)."""
+    """``--adapter``, ``--model`` / ``--base`` and ``--chat-template`` (a file's text, Jinja or a
+    built-in name) of ``export``, ``generate``, ``eval`` and ``chat``, checked before anything loads
+    (a mistake is one line, exit 2)."""
+    from lit_instruct.data.templates import template_text
     from lit_instruct.preflight.adapter_fit import check_adapter_folder
     from lit_instruct.preflight.model_source import model_source
 
     if getattr(args, "adapter", None):
         check_adapter_folder(args.adapter, "--adapter")
+    if getattr(args, "chat_template", None):
+        args.chat_template = template_text(args.chat_template, "--chat-template")
     for flag in ("model", "base"):
         value = getattr(args, flag, None)
         if isinstance(value, str):
@@ -267,12 +271,6 @@ TEMPLATE_HELP = (
     "chat template: Jinja text, a .jinja file, or 'alpaca' (default: the one saved with the adapter "
     "at training, else the tokenizer's)"
 )
-
-
-def template_argument(value: str) -> str:
-    """A ``--chat-template`` value: a file's contents when it names a file, else the value itself."""
-    path = Path(value)
-    return path.read_text(encoding="utf-8") if len(value) < 4096 and path.is_file() else value
 
 
 def export_main(argv: list[str]) -> None:
@@ -299,7 +297,7 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile beside it")
     parser.add_argument("--tokenizer-pre", help="llama.cpp's pre-tokenizer name, for an unknown vocabulary")
     parser.add_argument("--base", help="base model (default: the adapter's base_model_name_or_path)")
-    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
+    parser.add_argument("--chat-template", help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
     check_paths(args)
     if args.gguf_adapter:
@@ -347,7 +345,7 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding")
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
+    parser.add_argument("--chat-template", help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
     check_paths(args)
     model, tokenizer = load_for_generation(args.model, args.adapter)
@@ -378,7 +376,7 @@ def eval_main(argv: list[str]) -> None:
     parser.add_argument("--base", action="store_true", help="also measure the base model, side by side")
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
+    parser.add_argument("--chat-template", help=TEMPLATE_HELP)
     parser.add_argument("--answers", help="write each record's prompt, reference and answer to this JSONL")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
@@ -412,7 +410,7 @@ def chat_main(argv: list[str]) -> None:
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
-    parser.add_argument("--chat-template", type=template_argument, help=TEMPLATE_HELP)
+    parser.add_argument("--chat-template", help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
     check_paths(args)
     args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
@@ -458,9 +456,10 @@ def main(argv: list[str] | None = None) -> None:
             with warnings.catch_warnings():  # args are given (``--debug`` left out) while sys.argv has some
                 warnings.filterwarnings("ignore", "LightningCLI's args parameter")
                 InstructCLI(args=command)
-    except (ConfigError, DataError) as error:  # the setting or the file, line and field say it all
+    except (ConfigError, DataError, UnsupportedModelError) as error:  # the message says it all
         if debug:
             raise
-        kind = "config" if isinstance(error, ConfigError) else "data"
+        kinds = {ConfigError: "config", DataError: "data", UnsupportedModelError: "model"}
+        kind = next(name for cls, name in kinds.items() if isinstance(error, cls))
         sys.stderr.write(f"lit-instruct: {kind} error: {error}\n")
         raise SystemExit(2) from None

@@ -102,7 +102,7 @@ VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.num_proc": (_positive_int, "must be a positive integer"),
     "data.shuffle_buffer": (_positive_int, "must be a positive integer"),
     "trainer.accumulate_grad_batches": (_positive_int, "must be a positive integer"),
-    "trainer.max_steps": (lambda v: _int(v) and v >= -1, "must be a positive integer, or -1 for no limit"),
+    "trainer.max_steps": (lambda v: _int(v) and v >= -1, "must be an integer >= 0, or -1 for no limit"),
 }
 """Each setting's rule and what is allowed, for the message."""
 

@@ -103,6 +103,22 @@ MISTAKES = [
         "lit-instruct: config error: trainer.accumulate_grad_batches: must be a positive integer, got 0",
     ),
     (
+        ["--model.lora.target_modules", "[nonexistent_proj]"],
+        "config error: model.lora.target_modules: 'nonexistent_proj' matches no module of this model",
+    ),
+    (
+        ["--model.lora.target_modules", "[q_proj, v_prj]"],
+        "config error: model.lora.target_modules: 'v_prj' matches no module of this model (closest: v_proj",
+    ),
+    (
+        ["--model.lora.target_modules", "[mlp]"],
+        "lit-instruct: config error: model.lora.target_modules: ['mlp']: ",
+    ),
+    (
+        ["--model.lora.layers_to_transform", "[5]"],
+        "lit-instruct: config error: model.lora.layers_to_transform: 5 is not a layer of this model",
+    ),
+    (
         ["--data.chat_template", "my_template.jinja"],
         "lit-instruct: config error: data.chat_template: 'my_template.jinja' is no file, no Jinja template",
     ),
@@ -130,6 +146,19 @@ def test_a_folder_without_config_json_is_named(tmp_path: Path, chat_file: Path, 
     line = refused(fit_args(tmp_path, chat_file), capsys)
     assert line.startswith(
         f"lit-instruct: config error: model.model: '{tmp_path}' is a folder without config.json"
+    )
+
+
+def test_an_adapter_that_is_not_lora_is_named(
+    unreadable_model: Path, tmp_path: Path, chat_file: Path, capsys
+) -> None:
+    (tmp_path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "IA3", "target_modules": ["k_proj"]})
+    )
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    line = refused(fit_args(unreadable_model, chat_file, "--model.adapter", str(tmp_path)), capsys)
+    assert line == f"lit-instruct: config error: model.adapter: '{tmp_path}' is a IA3 adapter, not LoRA: " + (
+        "LoRA adapters continue"
     )
 
 

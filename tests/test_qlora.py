@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from lit_instruct.errors import ConfigError
 from lit_instruct.export.adapter import export_adapter, merge_adapter
 from lit_instruct.infer.generate import generate, load_for_generation
 from lit_instruct.models.load import QuantizationConfig, load_base_model, parameter_bytes
@@ -101,7 +102,8 @@ def test_a_bitsandbytes_too_old_for_the_compute_dtype_storage_is_refused_at_load
 
     monkeypatch.setattr(four_bit, "version", lambda name: "0.46.1")  # what the environment would report
     with pytest.raises(
-        RuntimeError, match=r"bitsandbytes 0.46.1: 4-bit \(QLoRA\) bases need bitsandbytes>=0.47"
+        ConfigError,
+        match=r"^model\.quantization\.method: 4-bit \(QLoRA\) bases need bitsandbytes>=0\.47.*found 0\.46\.1",
     ):
         load_base_model("unused", quantization=NF4_FP32)
 

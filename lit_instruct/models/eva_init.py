@@ -117,7 +117,7 @@ def eva_state_dict(
     # peft hooks every module with a ``base_layer``: new tokens' rows (trainable tokens) and modules
     # saved whole have one too, though they hold no LoRA (and the trunk never calls the head)
     lora_only = eva.UNSUPPORTED_LORA_MODULES
-    eva.UNSUPPORTED_LORA_MODULES = (*lora_only, AuxiliaryTrainingWrapper, TrainableTokensLayer)
+    eva.UNSUPPORTED_LORA_MODULES = (*lora_only, AuxiliaryTrainingWrapper, TrainableTokensLayer)  # type: ignore[assignment]
     try:
         with torch.no_grad():
             state = eva.get_eva_state_dict(peft_model, batches, forward_fn=budget, show_progress_bar=False)

@@ -18,6 +18,8 @@ import torch
 from packaging.version import Version
 from torch import nn
 
+from lit_instruct.errors import ConfigError
+
 OLDEST_BITSANDBYTES = "0.47"
 """Older releases dequantize 4-bit weights on the CPU only from uint8 storage (and transformers 5
 needs 0.46.1): a base packed in the compute dtype, which FSDP shards, cannot run there."""
@@ -36,9 +38,10 @@ def require_bitsandbytes() -> None:
     """Raise, naming the releases that work, unless a bitsandbytes we can train with is installed."""
     found = bitsandbytes_version()
     if found == "(not installed)" or Version(found) < Version(OLDEST_BITSANDBYTES):
-        raise RuntimeError(
-            f"bitsandbytes {found}: 4-bit (QLoRA) bases need bitsandbytes{TESTED_BITSANDBYTES} "
-            f"(pip install 'lit-instruct[qlora]' or 'bitsandbytes{TESTED_BITSANDBYTES}')"
+        raise ConfigError(
+            "model.quantization.method",
+            f"4-bit (QLoRA) bases need bitsandbytes{TESTED_BITSANDBYTES}, found {found} "
+            f"(pip install 'lit-instruct[qlora]' or 'bitsandbytes{TESTED_BITSANDBYTES}')",
         )
 
 

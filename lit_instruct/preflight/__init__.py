@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from lit_instruct.errors import ConfigError
+from lit_instruct.models.four_bit import require_bitsandbytes
 from lit_instruct.models.load import QuantizationConfig, load_base_model
 from lit_instruct.models.lora import LoRAConfig, attach_lora, lora_config_of, with_adapter_structure
 from lit_instruct.models.packing import UNPACKABLE_MODEL_TYPES
@@ -64,6 +65,8 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     if adapter is not None:
         check_adapter_folder(adapter)
         lora = with_adapter_structure(lora, lora_config_of(adapter))
+    if settings["model.quantization.method"] != "none":
+        require_bitsandbytes()
     name = settings["model.model"]
     source = model_source(name)
     skeleton = _skeleton(source, settings)
@@ -86,8 +89,12 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
             wrapped = adapter_on_skeleton(adapter, skeleton, name)
             coverage = f"LoRA: continues {adapter}"
         else:  # every check of the init too; the init itself needs the weights
-            wrapped = attach_lora(skeleton, lora, probe=False, initialise=False)
+            wrapped = _attach(skeleton, lora)
             found = wrapped.lora_coverage
+            if settings["model.quantization.method"] != "none" and not lora.allow_partial:
+                refuse_four_bit_by_weight(
+                    settings["model.quantization.method"], lora, found.targets.by_weight
+                )
             probed = replace(found, targets=replace(found.targets, probed=True))
             coverage = f"{probed.line()} ({NOT_PROBED})"
     text = getattr(skeleton.config, "text_config", None) or skeleton.config
@@ -102,6 +109,30 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
         intermediate=int(getattr(text, "intermediate_size", 0) or 0),
         quantized_linear=quantized,
     )
+
+
+def refuse_four_bit_by_weight(method: str, lora: LoRAConfig, by_weight: list[str]) -> None:
+    """Layers peft adapts through their weight (named like the experts it rewrites) cannot be so
+    adapted once 4-bit: the build would find them after loading; refuse them from the skeleton."""
+    if by_weight:
+        raise ConfigError(
+            "model.quantization.method",
+            f"{method!r} cannot be combined with model.lora.target_modules {lora.target_modules}: "
+            f"{by_weight[0]} (and {len(by_weight) - 1} more) is adapted through its weight, which a 4-bit "
+            "layer cannot be: name other targets, or set model.lora.allow_partial: true",
+        )
+
+
+def _attach(skeleton: Any, lora: LoRAConfig) -> Any:
+    """``attach_lora`` with every check on the skeleton; peft's own refusals (a target that is no
+    layer it can adapt) as config errors."""
+    try:
+        return attach_lora(skeleton, lora, probe=False, initialise=False)
+    except ConfigError:
+        raise
+    except ValueError as failure:
+        first = str(failure).strip().splitlines()[0]
+        raise ConfigError("model.lora.target_modules", f"{lora.target_modules}: {first}") from None
 
 
 def _skeleton(source: str, settings: Mapping[str, Any]) -> Any:  # a transformers model: Any

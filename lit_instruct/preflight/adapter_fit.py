@@ -4,6 +4,7 @@ every saved LoRA tensor a place of the same shape."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,15 @@ def check_adapter_folder(adapter: str, setting: str = "model.adapter") -> Path:
                 setting,
                 f"{adapter!r} is {what}; give a PEFT adapter folder ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS})",
             )
+    try:
+        saved = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as failure:
+        raise ConfigError(setting, f"{folder / ADAPTER_CONFIG} cannot be read: {failure}") from None
+    kind = saved.get("peft_type") if isinstance(saved, dict) else None
+    if kind != "LORA" or not isinstance(saved.get("r"), int):
+        raise ConfigError(
+            setting, f"{adapter!r} is a {kind or 'unknown'} adapter, not LoRA: LoRA adapters continue"
+        )
     return folder
 
 

@@ -10,8 +10,8 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.models import BUNDLED_MODELS, resolve_model_path
 from lit_instruct.network import reachable
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""``owner/name`` as the Hugging Face Hub spells repository ids."""
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""``owner/name`` (or a bare ``name``) as the Hugging Face Hub spells repository ids."""
 
 
 def _no_model(name: str, why: str, setting: str) -> ConfigError:

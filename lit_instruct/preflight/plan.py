@@ -66,12 +66,13 @@ def estimate_memory(plan: ModelPlan, settings: Mapping[str, Any]) -> MemoryEstim
 
 def optimizer_steps(samples: int, settings: Mapping[str, Any]) -> int | None:
     """The fit's optimizer steps: ``trainer.max_steps``, else epochs of ``samples`` over the ranks
-    (``None`` when neither bounds it)."""
+    (Lightning's 1000 epochs when neither is set; ``None`` for ``max_epochs: -1``, no limit)."""
     max_steps = settings.get("trainer.max_steps", -1)
     if max_steps not in (None, -1):
         return int(max_steps)
     epochs = settings.get("trainer.max_epochs")
-    if epochs in (None, -1):
+    epochs = 1000 if epochs is None else epochs
+    if epochs == -1:
         return None
     devices = settings.get("trainer.devices", 1)
     world = (devices if isinstance(devices, int) and devices > 0 else 1) * int(

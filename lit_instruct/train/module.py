@@ -17,6 +17,7 @@ from torchmetrics import MeanMetric, SumMetric
 
 from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.distributed import full_tensor, launched_rank
+from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir, save_adapter
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
@@ -304,7 +305,7 @@ class InstructLoRAModule(L.LightningModule):
         mesh = self.device_mesh
         if mesh is None:
             if self.hparams.get("low_memory_load"):
-                raise ValueError("model.low_memory_load needs trainer.strategy: fused_ce_fsdp")
+                raise ConfigError("model.low_memory_load", "true needs trainer.strategy: fused_ce_fsdp")
             return
         if self._sharded:
             return
