@@ -52,7 +52,7 @@ FACTORS: dict[str, list[Any]] = {
     "targets": [
         ("all-linear", None),
         ("q_proj,v_proj", None),
-        ("self_attn.o_proj", None),
+        ("self_attn.q_proj", None),
         ("all-linear", [1]),
     ],
     "variant": [None, "dora", "rslora", "loraplus"],
