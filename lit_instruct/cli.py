@@ -60,6 +60,10 @@ class ConfigToLoggers(SaveConfigCallback):
             logger.log_hyperparams({"config": config})
 
 
+LAUNCH_SETTINGS = ("low_memory_load",)
+"""Module settings that describe a launch (how its ranks load the base), not the model trained."""
+
+
 class InstructCLI(LightningCLI):
     """LightningCLI for instruction tuning: the datamodule's tokenizer follows ``model.model``, and
     the model is built for packed rows when ``data.packing`` is on.
@@ -88,6 +92,19 @@ class InstructCLI(LightningCLI):
         parser.add_argument(
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning brings a checkpoint's hyperparameters back over the config; those that say how
+        this launch's ranks load the model (:data:`LAUNCH_SETTINGS`) stay as this launch sets them,
+        so that a run written by 2 FSDP processes resumes on 1 (or 4)."""
+        if not self.config.get("subcommand"):
+            return
+        model = self.config[self.config.subcommand]["model"]
+        launch = {name: model.get(name) for name in LAUNCH_SETTINGS}
+        super()._parse_ckpt_path()
+        model = self.config[self.config.subcommand]["model"]
+        for name, value in launch.items():
+            model[name] = value
 
     def subcommand_config(self) -> dict[str, Any]:
         """The parsed config of the subcommand being run, as plain data."""

@@ -29,10 +29,50 @@ from lit_instruct.callbacks import GenerationPreview, SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.distributed import local_tensor
 from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.train.module import InstructLoRAModule
 from tests.helpers import FaultyModule, Recorder, StopAfter
 
 
+def validation_setup(args: dict) -> tuple[InstructLoRAModule, InstructDataModule]:
+    """The tiny model (LoRA B drawn, so that the adapters count) and data validating on ``val`` (a
+    list of files), the same in every process."""
+    L.seed_everything(0)
+    packing = args.get("packing", False)
+    module = InstructLoRAModule(model=args["model"], lora=LoRAConfig(r=4, alpha=8), packing=packing)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
+    data = InstructDataModule(
+        tokenizer=args["model"],
+        train_files=[args["data"]],
+        val_files=args["val"],
+        eval_batch_size=args.get("eval_batch_size", 2),
+        packing=packing,
+    )
+    return module, data
+
+
+def validate(args: dict) -> None:
+    """``trainer.validate`` on 2 ranks; each rank saves the logged metrics."""
+    module, data = validation_setup(args)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=args.get("strategy", "ddp"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=args["out"],
+    )
+    metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
+    torch.save({k: float(v) for k, v in metrics.items()}, Path(args["out"]) / f"rank{trainer.global_rank}.pt")
+
+
 def main(args: dict) -> None:
+    if args.get("validate"):
+        validate(args)
+        return
     L.seed_everything(0)
     module = FaultyModule(
         model=args["model"],

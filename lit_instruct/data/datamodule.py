@@ -21,6 +21,7 @@ from lit_instruct.data.store import SampleStore
 from lit_instruct.data.templates import resolve_chat_template, template_text
 from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
+from lit_instruct.data.validation_shards import EvenShards, UncountedPadding
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir
 from lit_instruct.vocabulary import NewTokens, add_tokens, base_tokenizer, resolve_new_tokens
@@ -389,10 +390,16 @@ class InstructDataModule(L.LightningDataModule):
         return [self._val_loader(Subset(dataset, store.indices_of(store.names.index(n))), n) for n in names]
 
     def _val_loader(self, samples: Any, name: str | None) -> DataLoader:
+        """Over several ranks, each sample counted once (:mod:`lit_instruct.data.validation_shards`)."""
+        trainer = self.trainer
+        sampler = None
+        if trainer is not None and trainer.world_size > 1:
+            sampler = EvenShards(samples, trainer.world_size, trainer.global_rank)
         return DataLoader(
-            samples,
+            UncountedPadding(samples) if sampler is not None else samples,
             batch_size=self.eval_batch_size,
             shuffle=False,
+            sampler=sampler,
             collate_fn=self._collator(name),
             num_workers=self.num_workers,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -415,10 +416,13 @@ class InstructLoRAModule(L.LightningModule):
             sums += torch.stack([loss_sum.detach().double(), zeros.new_tensor(float(count))])
 
     def on_validation_epoch_end(self) -> None:
-        if self.val_tokens.update_count == 0:
-            return
-        loss = self.val_loss.compute()
-        metrics = {"val/loss": loss, "val/ppl": loss.exp(), "val/tokens": self.val_tokens.compute()}
+        with warnings.catch_warnings():  # a rank whose share was only padding made no update
+            warnings.filterwarnings("ignore", ".*before the ``update`` method", UserWarning)
+            tokens = self.val_tokens.compute()  # over all ranks
+            if not tokens:
+                return
+            loss = self.val_loss.compute()
+        metrics = {"val/loss": loss, "val/ppl": loss.exp(), "val/tokens": tokens}
         for name in sorted(self.val_by_source):
             loss_sum, count = self.trainer.strategy.reduce(self.val_by_source[name], reduce_op="sum")
             metrics[f"val/loss/{name}"] = (loss_sum / count.clamp(min=1)).float()

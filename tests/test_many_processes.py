@@ -1,0 +1,102 @@
+"""Validation on 2 processes equals 1 process, each sample counted once, when the validation samples
+do not divide over the ranks (a plain DistributedSampler counted its padding repeats): DDP and FSDP,
+overall and per source, padded and packed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lit_instruct.data.validation_shards import EvenShards, UncountedPadding
+from lit_instruct.labels import IGNORE_INDEX
+from tests.ddp_fit import run_ddp_fit, validation_setup
+
+VAL_CHATS = [
+    [("user", "Name a colour."), ("assistant", "Green, like grass.")],
+    [("user", "What is 3 times 3?"), ("assistant", "Nine.")],
+    [("user", "Say goodbye."), ("assistant", "Goodbye!"), ("user", "Again."), ("assistant", "Bye now!")],
+    [("user", "Which planet is red?"), ("assistant", "Mars, the red planet.")],
+    [("system", "Be brief."), ("user", "Capital of Italy?"), ("assistant", "Rome.")],
+    [("user", "Count to three."), ("assistant", "One, two, three.")],
+    [("user", "Opposite of hot?"), ("assistant", "Cold.")],
+    [("user", "A word for happy?"), ("assistant", "Joyful, or glad.")],
+]
+
+
+def test_even_shards_take_every_sample_once_and_mark_the_padding() -> None:
+    samples = list(range(9))
+    shards = [list(EvenShards(samples, 4, rank)) for rank in range(4)]
+    assert [len(s) for s in shards] == [3, 3, 3, 3]
+    real = sorted(i for s in shards for i in s if i >= 0)
+    assert real == samples
+    assert sorted(i for s in shards for i in s if i < 0) == [-3, -2, -1]  # samples 0, 1, 2 again
+
+
+def test_a_padding_repeat_counts_no_label(tiny_model_dir: Path) -> None:
+    from lit_instruct.data.render import Sample
+
+    samples = [Sample([1, 2, 3], [IGNORE_INDEX, 2, 3], "s")]
+    assert UncountedPadding(samples)[0] == samples[0]
+    assert UncountedPadding(samples)[-1].labels == [IGNORE_INDEX] * 3
+    assert UncountedPadding(samples)[-1].input_ids == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("strategy", "packing"), [("ddp", False), ("fused_ce_fsdp", False), ("ddp", True)])
+def test_validation_on_two_processes_equals_one(
+    strategy: str, packing: bool, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    val = []
+    for name, chats in (("a", VAL_CHATS[:5]), ("b", VAL_CHATS[5:])):  # 5 and 3: odd, over 2 ranks
+        path = tmp_path / f"{name}.jsonl"
+        rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in chats]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        val.append(str(path))
+    args = {"validate": True, "model": str(tiny_model_dir), "data": str(chat_file), "val": val}
+    args |= {"out": str(tmp_path), "strategy": strategy, "packing": packing}
+    ranks = run_ddp_fit(args)
+    module, data = validation_setup(args)
+    one = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
+    expected = {k: float(v) for k, v in one.validate(module, datamodule=data, verbose=False)[0].items()}
+    assert {"val/loss", "val/tokens", "val/loss/a", "val/loss/b"} <= set(expected)
+    for metrics in ranks:
+        assert metrics.keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=0, msg=key)
+
+
+class ParsedOnly(Exception):
+    """Raised with the parsed config instead of building anything."""
+
+
+def test_a_checkpoint_of_a_low_memory_run_resumes_in_another_launch(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint written by a 2-process ``low_memory_load`` FSDP run brings its hyperparameters
+    back (the LoRA rank here), but how this launch's ranks load the base stays this launch's."""
+    from lit_instruct.cli import InstructCLI
+    from lit_instruct.models.lora import LoRAConfig
+    from lit_instruct.train.module import InstructLoRAModule
+
+    written = InstructLoRAModule(
+        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), low_memory_load=True
+    )
+    checkpoint = tmp_path / "fsdp.ckpt"
+    torch.save({"hyper_parameters": dict(written.hparams)}, checkpoint)
+
+    class Parsed(InstructCLI):
+        def instantiate_classes(self) -> None:
+            raise ParsedOnly(self.config)
+
+    args = ["fit", "--model.model", str(tiny_model_dir), "--data.train_files", "[x.jsonl]"]
+    with pytest.raises(ParsedOnly) as parsed:
+        Parsed(args=[*args, "--ckpt_path", str(checkpoint)])
+    model = parsed.value.args[0]["fit"]["model"]
+    assert model["lora"]["r"] == 4  # from the checkpoint
+    assert model["low_memory_load"] is False  # this launch's (the default)
