@@ -15,14 +15,24 @@ import torch
 
 
 @contextmanager
-def atomic_directory(target: str | Path) -> Iterator[Path]:
-    """Yield an empty staging folder; on success it replaces ``target``, on failure it is removed."""
+def atomic_directory(target: str | Path, replace: bool = True) -> Iterator[Path]:
+    """Yield an empty staging folder; on success it replaces ``target``, on failure it is removed.
+    ``replace=False`` (a content-addressed cache, filled by several processes or nodes at once):
+    a ``target`` that another process put in place first is kept, and the staging folder dropped."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         yield staging
         staging.chmod(0o755)
+        if not replace:
+            try:
+                staging.rename(target)
+            except OSError:  # already there (ENOTEMPTY / EEXIST): the same contents by its key
+                if not target.is_dir():
+                    raise
+                shutil.rmtree(staging, ignore_errors=True)
+            return
         if target.exists():
             retired = target.with_name(f".{target.name}-old")
             shutil.rmtree(retired, ignore_errors=True)

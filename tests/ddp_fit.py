@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +106,8 @@ def main(args: dict) -> None:
     preview = [GenerationPreview(args["preview"], max_new_tokens=3)] if "preview" in args else []
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=args.get("devices", 2),
+        num_nodes=args.get("num_nodes", 1),
         strategy=args.get("strategy", "ddp"),
         max_steps=args["max_steps"],
         accumulate_grad_batches=args.get("accumulate_grad_batches", 1),
@@ -130,6 +132,8 @@ def main(args: dict) -> None:
         "losses": recorder.losses,
         "skipped": skip.skipped,
         "consecutive": skip.consecutive,
+        "world": [trainer.world_size, trainer.num_nodes, trainer.node_rank, trainer.local_rank],
+        "environment": type(trainer.strategy.cluster_environment).__name__,
     }
     torch.save(result, out / f"rank{trainer.global_rank}.pt")
 
@@ -144,6 +148,43 @@ def run_ddp_fit(args: dict[str, Any]) -> list[dict[str, Any]]:
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
+    return [torch.load(Path(args["out"]) / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_two_nodes(args: dict[str, Any], launcher: str) -> list[dict[str, Any]]:
+    """This script as two "nodes" of one process each on this machine, started the way clusters do:
+    ``torchrun --nnodes 2 --nproc-per-node 1`` (static rendezvous on 127.0.0.1) or with the
+    ``SLURM_*`` variables ``srun`` sets; both ranks' results."""
+    root, port = Path(__file__).parents[1], free_port()
+    args = {**args, "devices": 1, "num_nodes": 2}
+    processes = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        command = [sys.executable, __file__, json.dumps(args)]
+        if launcher == "torchrun":
+            command[1:1] = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+            command[5:5] = [
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+            ]
+        else:  # what srun sets for --nodes 2 --ntasks-per-node 1
+            env |= {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2"}
+            env |= {"SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node)}
+            env |= {"SLURM_JOB_NAME": "lit-instruct", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1"}
+            env |= {"MASTER_PORT": str(port)}
+        processes.append(subprocess.Popen(command, cwd=root, env=env))
+    codes = [process.wait(timeout=300) for process in processes]
+    assert codes == [0, 0], codes
     return [torch.load(Path(args["out"]) / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 

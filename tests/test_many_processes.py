@@ -100,3 +100,49 @@ def test_a_checkpoint_of_a_low_memory_run_resumes_in_another_launch(
     model = parsed.value.args[0]["fit"]["model"]
     assert model["lora"]["r"] == 4  # from the checkpoint
     assert model["low_memory_load"] is False  # this launch's (the default)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_nodes_train_as_one_process(
+    launcher: str, strategy: str, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """Two "nodes" of one process each, launched as clusters launch them: the same losses and adapter
+    as one process with their global batch; the checkpoint written once, by rank 0."""
+    from tests.ddp_fit import run_two_nodes
+    from tests.helpers import Recorder, make, trainer
+
+    steps = 2
+    args = {"model": str(tiny_model_dir), "data": str(chat_file), "out": str(tmp_path / "nodes")}
+    ranks = run_two_nodes({**args, "max_steps": steps, "batch_size": 1, "strategy": strategy}, launcher)
+    environment = {"torchrun": "TorchElasticEnvironment", "slurm": "SLURMEnvironment"}[launcher]
+    assert [(r["world"], r["environment"]) for r in ranks] == [([2, 2, n, 0], environment) for n in (0, 1)]
+
+    module, data = make(tiny_model_dir, chat_file, batch_size=2)
+    recorder = Recorder()
+    run = trainer(tmp_path / "one", max_steps=steps, limit_val_batches=0, callbacks=[recorder])
+    run.fit(module, datamodule=data)
+    for rank in ranks:
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"]), torch.tensor(recorder.losses), atol=1e-5, rtol=0
+        )
+    saved = torch.load(tmp_path / "nodes" / "last.ckpt", weights_only=True)["state_dict"]
+    single = module.trainable_state_dict()
+    assert saved.keys() == single.keys()
+    for name, value in single.items():
+        torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_cache_folder_another_node_put_in_place_first_is_kept(tmp_path: Path) -> None:
+    """Two nodes sharing a file system prepare the same data cache at once: the second to finish
+    keeps the first's folder (the same contents by its key) instead of failing on the rename."""
+    from lit_instruct.io import atomic_directory
+
+    target = tmp_path / "key"
+    with atomic_directory(target, replace=False) as staging:
+        (staging / "meta.json").write_text("second")
+        target.mkdir()  # the other node finished in between
+        (target / "meta.json").write_text("first")
+    assert (target / "meta.json").read_text() == "first"
+    assert [p.name for p in tmp_path.iterdir()] == ["key"]  # no staging folder left

@@ -232,7 +232,7 @@ def prepare(
 def _save(prepared: PreparedData, folder: Path) -> None:
     from lit_instruct.io import atomic_directory
 
-    with atomic_directory(folder) as staging:
+    with atomic_directory(folder, replace=False) as staging:  # another rank or node may be first
         prepared.train.save(staging / "train")
         prepared.val.save(staging / "val")
         meta = {"counts": prepared.counts, "rejects": prepared.rejects}
