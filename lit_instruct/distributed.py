@@ -41,5 +41,7 @@ def refuse_sharded(name: str, tensor: torch.Tensor | None) -> None:
 
 def launched_rank() -> int:
     """This process's rank as its launcher set it (Lightning's and torchrun's ``LOCAL_RANK`` /
-    ``RANK``), before any process group exists; 0 when not launched as a rank."""
-    return max(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")))
+    ``RANK``, srun's ``SLURM_PROCID`` for a job of several tasks), before any process group exists;
+    0 when not launched as a rank."""
+    slurm = int(os.environ.get("SLURM_PROCID", "0")) if int(os.environ.get("SLURM_NTASKS", "1")) > 1 else 0
+    return max(int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), slurm)

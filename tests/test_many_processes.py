@@ -146,3 +146,16 @@ def test_a_cache_folder_another_node_put_in_place_first_is_kept(tmp_path: Path) 
         (target / "meta.json").write_text("first")
     assert (target / "meta.json").read_text() == "first"
     assert [p.name for p in tmp_path.iterdir()] == ["key"]  # no staging folder left
+
+
+def test_the_launching_rank_is_read_from_srun_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the first rank prepares the data before the model loads, under srun as under torchrun."""
+    from lit_instruct.distributed import launched_rank
+
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert launched_rank() == 0
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert launched_rank() == 0  # one task (an interactive allocation): not a rank of a job
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert launched_rank() == 3
