@@ -328,6 +328,9 @@ def test_each_rank_quantizes_onto_its_own_device() -> None:
     ]
     with pytest.raises(ValueError, match="LOCAL_RANK=2 but only 2 CUDA devices"):
         quantization_device({"LOCAL_RANK": "2"}, cuda_devices=2)
+    srun = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}  # node 1 of 2, its 2nd task
+    assert quantization_device(srun, cuda_devices=4) == "cuda:1"
+    assert quantization_device({"SLURM_NTASKS": "1", "SLURM_LOCALID": "1"}, cuda_devices=4) == "cuda:0"
 
 
 @needs_bitsandbytes

@@ -35,7 +35,8 @@ class QuantizationConfig:
 
 def quantization_device(environ: Mapping[str, str] = os.environ, cuda_devices: int | None = None) -> str:
     """Where a 4-bit base is quantized: this process's own GPU, ``cuda:<LOCAL_RANK>`` (the rank's
-    device under Lightning's DDP launcher and torchrun, which set ``LOCAL_RANK``; 0 otherwise),
+    device under Lightning's DDP launcher and torchrun, which set ``LOCAL_RANK``, and under srun,
+    which sets ``SLURM_LOCALID``; 0 otherwise),
     else the CPU. The module is built before the Trainer places it, so every rank quantizing onto
     ``cuda:0`` would put all ranks' bases on one GPU; afterwards Lightning moves the module to the
     Trainer's device (``accelerator: cpu`` included).
@@ -43,7 +44,8 @@ def quantization_device(environ: Mapping[str, str] = os.environ, cuda_devices: i
     count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
     if count == 0:
         return "cpu"
-    local_rank = int(environ.get("LOCAL_RANK", "0"))
+    srun = int(environ.get("SLURM_NTASKS", "1")) > 1  # srun sets SLURM_LOCALID, not LOCAL_RANK
+    local_rank = int(environ.get("LOCAL_RANK", environ.get("SLURM_LOCALID", "0") if srun else "0"))
     if local_rank >= count:
         raise ValueError(f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible")
     return f"cuda:{local_rank}"
