@@ -149,6 +149,11 @@ def _decomposing(init: Any) -> bool:
     return isinstance(init, str) and (is_residual_init(init) or init == "eva")
 
 
+def _hybrid(strategy: Any) -> bool:
+    """A ``fused_ce_fsdp`` strategy asked for hybrid sharding (``init_args: {hybrid: true}``)."""
+    return isinstance(strategy, Mapping) and bool((strategy.get("init_args") or {}).get("hybrid"))
+
+
 CONFLICTS: tuple[Conflict, ...] = (
     Conflict(
         "model.lora.init",
@@ -216,6 +221,14 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda packing, attention: bool(packing) and attention not in ("auto", "sdpa", "eager"),
         "packed rows run attention sample by sample through sdpa or eager",
         (True, "flash_attention_2"),
+    ),
+    Conflict(
+        "trainer.strategy",
+        "trainer.num_nodes",
+        lambda strategy, nodes: _hybrid(strategy) and (nodes or 1) < 2,
+        "hybrid sharding shards within a node and replicates across nodes: it needs 2 nodes or more "
+        "(on one node, plain fused_ce_fsdp shards over all its devices)",
+        ({"class_path": "lit_instruct.train.strategy.FusedCEFSDPStrategy", "init_args": {"hybrid": True}}, 1),
     ),
     Conflict(
         "data.streaming",

@@ -31,6 +31,7 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.distributed import local_tensor
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import InstructLoRAModule
+from lit_instruct.train.strategy import FusedCEFSDPStrategy
 from tests.helpers import FaultyModule, Recorder, StopAfter
 
 
@@ -108,7 +109,7 @@ def main(args: dict) -> None:
         accelerator="cpu",
         devices=args.get("devices", 2),
         num_nodes=args.get("num_nodes", 1),
-        strategy=args.get("strategy", "ddp"),
+        strategy=FusedCEFSDPStrategy(hybrid=True) if args.get("hybrid") else args.get("strategy", "ddp"),
         max_steps=args["max_steps"],
         accumulate_grad_batches=args.get("accumulate_grad_batches", 1),
         limit_val_batches=1 if preview else 0,
@@ -157,35 +158,30 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_two_nodes(args: dict[str, Any], launcher: str) -> list[dict[str, Any]]:
-    """This script as two "nodes" of one process each on this machine, started the way clusters do:
-    ``torchrun --nnodes 2 --nproc-per-node 1`` (static rendezvous on 127.0.0.1) or with the
-    ``SLURM_*`` variables ``srun`` sets; both ranks' results."""
+def run_two_nodes(args: dict[str, Any], launcher: str, per_node: int = 1) -> list[dict[str, Any]]:
+    """This script as two "nodes" of ``per_node`` processes each on this machine, started the way
+    clusters do: ``torchrun --nnodes 2 --nproc-per-node N`` (static rendezvous on 127.0.0.1) or
+    with the ``SLURM_*`` variables ``srun`` sets; every rank's results."""
     root, port = Path(__file__).parents[1], free_port()
-    args = {**args, "devices": 1, "num_nodes": 2}
+    args = {**args, "devices": per_node, "num_nodes": 2}
+    script = [__file__, json.dumps(args)]
     processes = []
     for node in (0, 1):
         env = {**os.environ, "PYTHONPATH": str(root)}
-        command = [sys.executable, __file__, json.dumps(args)]
         if launcher == "torchrun":
-            command[1:1] = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-            command[5:5] = [
-                "--node-rank",
-                str(node),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-            ]
-        else:  # what srun sets for --nodes 2 --ntasks-per-node 1
-            env |= {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2"}
-            env |= {"SLURM_PROCID": str(node), "SLURM_LOCALID": "0", "SLURM_NODEID": str(node)}
-            env |= {"SLURM_JOB_NAME": "lit-instruct", "SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1"}
-            env |= {"MASTER_PORT": str(port)}
-        processes.append(subprocess.Popen(command, cwd=root, env=env))
+            torchrun = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node)]
+            torchrun += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            processes.append(subprocess.Popen([sys.executable, *torchrun, *script], cwd=root, env=env))
+            continue
+        for local in range(per_node):  # what srun sets for --nodes 2 --ntasks-per-node N
+            task = {"SLURM_PROCID": str(node * per_node + local), "SLURM_LOCALID": str(local)}
+            task |= {"SLURM_NTASKS": str(2 * per_node), "SLURM_NTASKS_PER_NODE": str(per_node)}
+            task |= {"SLURM_NNODES": "2", "SLURM_NODEID": str(node), "SLURM_JOB_NAME": "lit-instruct"}
+            task |= {"SLURM_JOB_ID": "4242", "SLURM_NODELIST": "127.0.0.1", "MASTER_PORT": str(port)}
+            processes.append(subprocess.Popen([sys.executable, *script], cwd=root, env={**env, **task}))
     codes = [process.wait(timeout=300) for process in processes]
-    assert codes == [0, 0], codes
-    return [torch.load(Path(args["out"]) / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert codes == [0] * len(codes), codes
+    return [torch.load(Path(args["out"]) / f"rank{r}.pt", weights_only=True) for r in range(2 * per_node)]
 
 
 if __name__ == "__main__":

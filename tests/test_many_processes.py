@@ -159,3 +159,37 @@ def test_the_launching_rank_is_read_from_srun_too(monkeypatch: pytest.MonkeyPatc
     assert launched_rank() == 0  # one task (an interactive allocation): not a rank of a job
     monkeypatch.setenv("SLURM_NTASKS", "4")
     assert launched_rank() == 3
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_on_two_nodes_of_two_trains_as_one_process(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """HSDP (``fused_ce_fsdp`` with ``hybrid: true``): 2 nodes x 2 processes, each rank holding half
+    the base (its node's shard, not a quarter), the same training as one process with batch 4."""
+    from tests.ddp_fit import run_two_nodes
+    from tests.helpers import Recorder, make, trainer
+
+    steps = 2
+    eight = tmp_path / "eight.jsonl"  # two global batches of 4: no rank pads its last one
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS]
+    eight.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = {"model": str(tiny_model_dir), "data": str(eight), "out": str(tmp_path / "hsdp")}
+    ranks = run_two_nodes(
+        {**args, "max_steps": steps, "batch_size": 1, "hybrid": True}, "torchrun", per_node=2
+    )
+    assert [r["world"] for r in ranks] == [[4, 2, node, local] for node in (0, 1) for local in (0, 1)]
+    for rank in ranks:  # the decoder's weights halved; the whole embedding and head stay in the count
+        assert 0.45 < rank["base_bytes"] / rank["base_bytes_whole"] < 0.6
+
+    module, data = make(tiny_model_dir, eight, batch_size=4)
+    recorder = Recorder()
+    run = trainer(tmp_path / "one", max_steps=steps, limit_val_batches=0, callbacks=[recorder])
+    run.fit(module, datamodule=data)
+    for rank in ranks:
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"]), torch.tensor(recorder.losses), atol=1e-5, rtol=0
+        )
+    saved = torch.load(tmp_path / "hsdp" / "last.ckpt", weights_only=True)["state_dict"]
+    for name, value in module.trainable_state_dict().items():
+        torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=0, msg=name)

@@ -171,7 +171,7 @@ def test_an_adapter_of_another_base_is_refused_from_its_headers(
 
 
 def cli_value(value: object) -> str:
-    return json.dumps(value) if isinstance(value, bool | list) else str(value)
+    return json.dumps(value) if isinstance(value, bool | list | dict) else str(value)
 
 
 @pytest.mark.parametrize("conflict", CONFLICTS, ids=[f"{c.first}+{c.second}" for c in CONFLICTS])

@@ -21,6 +21,18 @@ import torch
 
 from lit_instruct.models.decoder import decoder_of
 
+HYBRID_DIMS = ("replicate", "shard")
+"""The dimensions of a hybrid-sharding mesh (FSDP2 replicates over the first, shards over the second)."""
+
+
+def sharding_mesh(mesh: Any) -> Any:
+    """What ``fully_shard`` takes from a strategy's mesh: a hybrid ``(replicate, shard)`` mesh whole
+    (HSDP), else its data-parallel dimension (Lightning's ``ModelParallelStrategy`` mesh)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if names == HYBRID_DIMS:
+        return mesh
+    return mesh["data_parallel"] if names else mesh
+
 
 def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> None:
     """``fully_shard`` each decoder layer of ``base``, then its decoder stack, then its lm_head.

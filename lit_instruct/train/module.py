@@ -30,7 +30,7 @@ from lit_instruct.models.load import AttnImplementation, DType, QuantizationConf
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.train.fit_report import FitReport
-from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model
+from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
 from lit_instruct.train.resume import resumed_entry
 from lit_instruct.train.rng_states import RestoreRNGStates
 from lit_instruct.train.throughput import TokensPerSecond
@@ -312,7 +312,7 @@ class InstructLoRAModule(L.LightningModule):
             return
         low_memory = bool(self.hparams.get("low_memory_load"))
         full = dict(self.model.state_dict()) if low_memory and self.global_rank == 0 else None  # whole
-        shard_model(self.base_model, mesh["data_parallel"] if mesh.mesh_dim_names else mesh)
+        shard_model(self.base_model, sharding_mesh(mesh))
         if low_memory:
             fill_from_rank_zero(self.model, full, self.device)
         self._sharded = True

@@ -19,7 +19,8 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 
-from lit_instruct.train.fsdp import gathered_trainable_state
+from lit_instruct.errors import ConfigError
+from lit_instruct.train.fsdp import HYBRID_DIMS, gathered_trainable_state
 
 
 class FusedCESingleDeviceStrategy(SingleDeviceStrategy):
@@ -67,6 +68,23 @@ class FusedCEDDPStrategy(DDPStrategy):
     strategy_name = "fused_ce_ddp"
 
 
+def hybrid_mesh(device_type: str, num_nodes: int, world_size: int) -> Any:
+    """The ``(replicate, shard)`` device mesh of hybrid sharding: a row per node.
+
+    Raises:
+        ConfigError: fewer than 2 nodes, or ranks that do not divide over them.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if num_nodes < 2 or world_size % num_nodes:
+        raise ConfigError(
+            "trainer.strategy.hybrid",
+            f"true shards within a node and replicates across nodes: it needs trainer.num_nodes >= 2 "
+            f"dividing the {world_size} ranks, got {num_nodes} (one node: set hybrid: false)",
+        )
+    return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=HYBRID_DIMS)
+
+
 class FusedCEFSDPStrategy(ModelParallelStrategy):
     """Lightning's FSDP2 (``ModelParallelStrategy``, data parallel only) for LoRA and QLoRA.
 
@@ -78,15 +96,28 @@ class FusedCEFSDPStrategy(ModelParallelStrategy):
 
     strategy_name = "fused_ce_fsdp"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, hybrid: bool = False, **kwargs: Any) -> None:
+        """``hybrid``: shard within each node and replicate across nodes (HSDP, a 2-D mesh of
+        ``num_nodes`` x devices per node): each rank holds ``1/devices`` of the base, and only the
+        gradients' all-reduce crosses nodes (not every layer's all-gather)."""
         kwargs.setdefault("save_distributed_checkpoint", False)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        self.hybrid = hybrid
 
     def setup_environment(self) -> None:
         self._data_parallel_size = (
             self.world_size
         )  # every rank one data-parallel shard (no tensor parallelism)
         super().setup_environment()
+        if self.hybrid:
+            self._device_mesh = hybrid_mesh(self.root_device.type, self.num_nodes, self.world_size)
+            assert self.lightning_module is not None
+            self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank its own share of the data, whatever the mesh's shape."""
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The trainable weights, whole, on rank 0 (a collective: every rank calls it)."""
