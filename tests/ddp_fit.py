@@ -32,7 +32,7 @@ from lit_instruct.distributed import local_tensor
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import InstructLoRAModule
 from lit_instruct.train.strategy import FusedCEFSDPStrategy
-from tests.helpers import FaultyModule, Recorder, StopAfter
+from tests.helpers import FaultyModule, Recorder, SeenSamples, StopAfter
 
 
 def validation_setup(args: dict) -> tuple[InstructLoRAModule, InstructDataModule]:
@@ -103,7 +103,7 @@ def main(args: dict) -> None:
         else []
     )
     stop = [StopAfter(args["stop_after"])] if "stop_after" in args else []
-    skip, recorder = SkipNonFiniteSteps(max_consecutive=3), Recorder()
+    skip, recorder, seen = SkipNonFiniteSteps(max_consecutive=3), Recorder(), SeenSamples()
     preview = [GenerationPreview(args["preview"], max_new_tokens=3)] if "preview" in args else []
     trainer = L.Trainer(
         accelerator="cpu",
@@ -119,7 +119,7 @@ def main(args: dict) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=args["out"],
-        callbacks=[skip, recorder, *preview, *checkpoints, *stop],
+        callbacks=[skip, recorder, seen, *preview, *checkpoints, *stop],
     )
     trainer.fit(module, datamodule=data, ckpt_path=args.get("ckpt_path"))
     out = Path(args["out"])
@@ -131,6 +131,7 @@ def main(args: dict) -> None:
         "base_bytes_whole": sum(p.numel() * p.element_size() for p in frozen),
         "weights_per_step": [weights for weights, _, _ in recorder.states],
         "losses": recorder.losses,
+        "samples": seen.seen,
         "skipped": skip.skipped,
         "consecutive": skip.consecutive,
         "world": [trainer.world_size, trainer.num_nodes, trainer.node_rank, trainer.local_rank],

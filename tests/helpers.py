@@ -120,6 +120,18 @@ class StopAfter(L.Callback):
             trainer.should_stop = True
 
 
+class SeenSamples(L.Callback):
+    """Every sample a training batch held, with its epoch: ``(epoch, token ids)`` (padding left out)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        mask = batch["attention_mask"].bool()
+        for ids, keep in zip(batch["input_ids"], mask, strict=True):
+            self.seen.append((trainer.current_epoch, tuple(ids[keep].tolist())))
+
+
 GOOD = '{"prompt": "ok", "completion": "ok"}'
 BAD_LINES = {  # reason: (line 2 of a file between two good lines, the expected message after "file:2: ")
     "bad_type": ('{"prompt": "x", "completion": 3}', r"field 'completion' must be a string, got int"),

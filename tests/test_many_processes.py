@@ -193,3 +193,49 @@ def test_hybrid_sharding_on_two_nodes_of_two_trains_as_one_process(
     saved = torch.load(tmp_path / "hsdp" / "last.ckpt", weights_only=True)["state_dict"]
     for name, value in module.trainable_state_dict().items():
         torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
+def test_a_two_process_checkpoint_resumes_on_one_training_each_sample_once(
+    strategy: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Stopped after 2 of its 4 steps an epoch, a 2-process run resumes on 1 process (batch 3): the
+    optimizer state and the adapter as written, the epoch's other samples trained, each once."""
+    from lit_instruct.data.datamodule import InstructDataModule
+    from tests.ddp_fit import run_ddp_fit
+    from tests.helpers import Recorder, SeenSamples, make, trainer
+
+    eight = tmp_path / "eight.jsonl"
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS]
+    eight.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = {
+        "model": str(tiny_model_dir),
+        "data": str(eight),
+        "out": str(tmp_path / "two"),
+        "strategy": strategy,
+    }
+    ranks = run_ddp_fit({**args, "max_steps": 6, "batch_size": 1, "stop_after": 2, "ckpt_every": 2})
+    checkpoint = tmp_path / "two" / "epoch=0-step=2.ckpt"
+    written = torch.load(checkpoint, weights_only=True)
+
+    module, _ = make(tiny_model_dir, eight)
+    data = InstructDataModule(
+        tokenizer=str(tiny_model_dir), train_files=[str(eight)], batch_size=3
+    )  # as ddp_fit's
+    seen, recorder = SeenSamples(), Recorder()
+    run = trainer(tmp_path / "one", max_steps=6, limit_val_batches=0, callbacks=[seen, recorder])
+    resumed: list[dict] = []
+    module.on_train_start = lambda: resumed.append(
+        {k: v.clone() for k, v in module.trainable_state_dict().items()}
+    )
+    run.fit(module, datamodule=data, ckpt_path=str(checkpoint))
+    for name, value in written["state_dict"].items():
+        torch.testing.assert_close(resumed[0][name], value, rtol=0, atol=0, msg=name)
+    assert len(run.optimizers[0].state) == len(written["optimizer_states"][0]["state"]) > 0
+
+    epoch0 = [ids for rank in ranks for epoch, ids in rank["samples"] if epoch == 0]
+    epoch0 += [ids for epoch, ids in seen.seen if epoch == 0]
+    expected = sorted(tuple(data.train_samples[i].input_ids) for i in range(len(data.train_samples)))
+    assert sorted(epoch0) == expected  # each training sample once (half by the two ranks)
+    assert run.global_step == 6 and torch.isfinite(torch.tensor(recorder.losses)).all()

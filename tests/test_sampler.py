@@ -42,3 +42,31 @@ def test_resume_skips_the_batches_done_in_that_epoch_only() -> None:
     assert list(sampler) == full  # the skip applies once
     sampler.resume_at(epoch=1, batches_done=7)  # a checkpoint from an epoch that is over
     assert list(sampler) == full
+
+
+@pytest.mark.parametrize(
+    ("then", "now"), [((1, 2), (2, 1)), ((1, 2), (1, 4)), ((2, 2), (3, 1)), ((1, 4), (2, 3))]
+)
+@pytest.mark.parametrize("group_by_length", [False, True])
+def test_a_resume_on_another_number_of_ranks_trains_each_sample_once(then, now, group_by_length) -> None:
+    """(batch, ranks) of the run that wrote the checkpoint, then of the one resuming it: the samples
+    the first trained and those the second trains in that epoch are the epoch's, each once (but for
+    the repeats that even out the last global batch)."""
+    lengths = [3 + (i * 7) % 11 for i in range(23)]
+    (batch, world), (new_batch, new_world) = then, now
+    kwargs = {"group_by_length": group_by_length, "group_size": 2, "seed": 5}
+    before = [InstructSampler(lengths, batch, num_replicas=world, rank=r, **kwargs) for r in range(world)]
+    done = 3  # batches each rank had trained
+    trained = [i for sampler in before for i in sampler.rank_order(0)[: done * batch]]
+    after = []
+    for rank in range(new_world):
+        sampler = InstructSampler(lengths, new_batch, num_replicas=new_world, rank=rank, **kwargs)
+        sampler.resume_at(0, done, batch_size=batch, num_replicas=world)
+        batches = -(-len(sampler) // new_batch)  # what Lightning counts: the done ones and those left
+        share = list(sampler)
+        assert batches - done == -(-len(share) // new_batch)
+        after += share
+    seen = trained + after
+    assert set(seen) == set(range(len(lengths)))
+    repeats = len(seen) - len(lengths)
+    assert 0 <= repeats < new_world  # only the evening-out of the last global batch

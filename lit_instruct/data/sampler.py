@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator, Sequence
 
@@ -65,7 +66,7 @@ class InstructSampler(DistributedSampler):
         self.batch_size = batch_size
         self.group_by_length = group_by_length
         self.group_size = group_size
-        self._resume: tuple[int, int] | None = None
+        self._resume: tuple[int, int, int, int] | None = None
         self.members: list[list[int]] | None = None
         self.weights = list(weights) if weights is not None else None
         self.replacement = replacement
@@ -99,9 +100,14 @@ class InstructSampler(DistributedSampler):
             pool += [members[i] for i in picks[:draws]]
         return pool
 
-    def resume_at(self, epoch: int, batches_done: int) -> None:
-        """Skip the first ``batches_done`` batches when epoch ``epoch`` is iterated next."""
-        self._resume = (epoch, batches_done)
+    def resume_at(
+        self, epoch: int, batches_done: int, batch_size: int | None = None, num_replicas: int | None = None
+    ) -> None:
+        """Skip the first ``batches_done`` batches when epoch ``epoch`` is iterated next. ``batch_size``
+        and ``num_replicas``: those of the run that trained them, when they differ from these (a
+        resume on another number of ranks): its global batches are skipped in its own order, and the
+        samples it had not reached are shared out in this sampler's global batches."""
+        self._resume = (epoch, batches_done, batch_size or self.batch_size, num_replicas or self.num_replicas)
 
     def global_order(self, epoch: int) -> list[int]:
         """All ranks' samples of ``epoch``, in global-batch order (before padding)."""
@@ -122,9 +128,14 @@ class InstructSampler(DistributedSampler):
 
     def rank_order(self, epoch: int) -> list[int]:
         """This rank's samples of ``epoch``: its slice of every global batch, then of the remainder."""
-        order = self.global_order(epoch)
-        order += order[: self.total_size - len(order)]  # pad to a multiple of the number of ranks
-        batch, world, rank = self.batch_size, self.num_replicas, self.rank
+        return self.rank_share(self.global_order(epoch))
+
+    def rank_share(self, order: list[int]) -> list[int]:
+        """This rank's samples of ``order`` (a global order), padded by repeating its start to a
+        multiple of the number of ranks: its slice of every global batch, then of the remainder."""
+        world = self.num_replicas
+        order = order + order[: -len(order) % world]  # pad to a multiple of the number of ranks
+        batch, rank = self.batch_size, self.rank
         full = len(order) // (batch * world) * batch * world
         mine = [
             i for g in range(0, full, batch * world) for i in order[g + rank * batch : g + (rank + 1) * batch]
@@ -134,9 +145,29 @@ class InstructSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         # A generator: the epoch and the resume point are read when iteration really starts,
         # after Lightning has set the epoch and restored a checkpoint.
-        skip = 0
-        if self._resume is not None and self._resume[0] <= self.epoch:
-            if self._resume[0] == self.epoch:
-                skip = self._resume[1] * self.batch_size
-            self._resume = None
-        yield from self.rank_order(self.epoch)[skip:]
+        resume, self._resume = self._resume, None
+        if resume is None or resume[0] != self.epoch:
+            self._resume = resume if resume is not None and resume[0] > self.epoch else None
+            yield from self.rank_order(self.epoch)
+            return
+        _, done, batch, world = resume
+        if (batch, world) == (self.batch_size, self.num_replicas):
+            yield from self.rank_order(self.epoch)[done * batch :]
+            return
+        yield from self.resumed_share(self.epoch, done, batch, world)
+
+    def resumed_share(self, epoch: int, done: int, batch: int, world: int) -> list[int]:
+        """This rank's share of what a run of ``batch`` x ``world`` had not reached of ``epoch``
+        after ``done`` batches, in that run's order."""
+        then = copy.copy(self)
+        then.batch_size, then.num_replicas = batch, world
+        return self.rank_share(then.global_order(epoch)[done * batch * world :])
+
+    def __len__(self) -> int:
+        """Samples this rank takes in an epoch. Resuming on another number of ranks or batch size:
+        what keeps Lightning's count right (it takes the batches done from the checkpoint), the done
+        batches in this batch size plus the share of what is left."""
+        if self._resume is None or self._resume[2:] == (self.batch_size, self.num_replicas):
+            return self.num_samples
+        epoch, done, batch, world = self._resume
+        return done * self.batch_size + len(self.resumed_share(epoch, done, batch, world))

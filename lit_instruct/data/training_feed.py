@@ -38,7 +38,7 @@ class SampledFeed:
         self.seed = seed
         self.group_by_length, self.replacement = group_by_length, replacement
         self.sampler: InstructSampler | None = None
-        self._resume: tuple[int, int] | None = None
+        self._resume: dict[str, Any] | None = None
 
     def loader(
         self,
@@ -63,7 +63,7 @@ class SampledFeed:
             replacement=self.replacement,
         )
         if self._resume is not None:
-            self.sampler.resume_at(*self._resume)
+            self.sampler.resume_at(**self._resume)
         dataset: Any = samples  # a sequence is a map-style dataset
         return DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
 
@@ -71,10 +71,13 @@ class SampledFeed:
         """The epoch and how many of its batches are done, from the Trainer's own progress (which
         counts what the loop consumed; a DataLoader's count would include what was fetched ahead)."""
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return {"epoch": trainer.current_epoch, "batches_done": done}
+        assert self.sampler is not None
+        state = {"epoch": trainer.current_epoch, "batches_done": done, "batch_size": self.sampler.batch_size}
+        return {**state, "num_replicas": trainer.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._resume = (state["epoch"], state["batches_done"])
+        """A checkpoint's place (its run's batch size and ranks too, when it records them)."""
+        self._resume = {k: state.get(k) for k in ("epoch", "batches_done", "batch_size", "num_replicas")}
 
     def on_batch(self, batch: Any) -> Any:
         return batch
