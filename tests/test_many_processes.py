@@ -239,3 +239,49 @@ def test_a_two_process_checkpoint_resumes_on_one_training_each_sample_once(
     expected = sorted(tuple(data.train_samples[i].input_ids) for i in range(len(data.train_samples)))
     assert sorted(epoch0) == expected  # each training sample once (half by the two ranks)
     assert run.global_step == 6 and torch.isfinite(torch.tensor(recorder.losses)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "quantization", [None, {"method": "nf4", "compute_dtype": "float32"}], ids=["lora", "qlora"]
+)
+def test_a_sharded_runs_adapter_merges_exports_generates_and_evaluates(
+    quantization: dict | None,
+    tiny_model_dir: Path,
+    chat_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """What a 2-process FSDP run (and QLoRA+FSDP) wrote: merged equal to peft's own merge, exported
+    as a GGUF LoRA file with every adapted layer, and taken by ``generate`` and ``eval``."""
+    import gguf
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lit_instruct.cli import main
+    from tests.ddp_fit import run_ddp_fit
+
+    args = {"model": str(tiny_model_dir), "data": str(chat_file), "out": str(tmp_path / "fsdp")}
+    args |= {"strategy": "fused_ce_fsdp", "max_steps": 2, "batch_size": 1}
+    run_ddp_fit({**args, **({"quantization": quantization} if quantization else {})})
+    adapter = str(tmp_path / "fsdp" / "adapter")
+
+    main(["export", "--adapter", adapter, "--out", str(tmp_path / "merged"), "--merge"])
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter)
+    ids = torch.tensor([[1, 520, 9531, 198, 4093, 30]])
+    with torch.no_grad():
+        expected = reference.merge_and_unload()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids).logits
+    torch.testing.assert_close(merged, expected, rtol=1e-5, atol=1e-5)
+
+    main(["export", "--adapter", adapter, "--out", str(tmp_path / "adapter.gguf"), "--gguf-adapter"])
+    names = [t.name for t in gguf.GGUFReader(tmp_path / "adapter.gguf").tensors]
+    adapted = [k for k in safe_open(f"{adapter}/adapter_model.safetensors", "pt").keys() if "lora_A" in k]  # noqa: SIM118
+    assert sum(name.endswith(".lora_a") for name in names) == len(adapted) > 0
+
+    main(["generate", "--adapter", adapter, "--prompt", "Hi", "--max-new-tokens", "3"])
+    main(["eval", "--adapter", adapter, "--data", str(chat_file), "--max-seq-len", "64"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("adapter"))
+    assert all(float(value) == float(value) for value in row.split()[1:])  # finite numbers, no nan
