@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +34,17 @@ from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import InstructLoRAModule
 from lit_instruct.train.strategy import FusedCEFSDPStrategy
 from tests.helpers import FaultyModule, Recorder, SeenSamples, StopAfter
+
+
+class KillRank(L.Callback):
+    """``SIGKILL`` rank ``rank`` as step ``step`` starts (an out-of-memory kill, a failed node)."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def validation_setup(args: dict) -> tuple[InstructLoRAModule, InstructDataModule]:
@@ -103,6 +115,7 @@ def main(args: dict) -> None:
         else []
     )
     stop = [StopAfter(args["stop_after"])] if "stop_after" in args else []
+    stop += [KillRank(*args["kill_rank_at"])] if "kill_rank_at" in args else []
     skip, recorder, seen = SkipNonFiniteSteps(max_consecutive=3), Recorder(), SeenSamples()
     preview = [GenerationPreview(args["preview"], max_new_tokens=3)] if "preview" in args else []
     trainer = L.Trainer(

@@ -5,6 +5,7 @@ overall and per source, padded and packed."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -285,3 +286,50 @@ def test_a_sharded_runs_adapter_merges_exports_generates_and_evaluates(
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("adapter"))
     assert all(float(value) == float(value) for value in row.split()[1:])  # finite numbers, no nan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
+def test_a_killed_rank_stops_the_others_with_one_line_and_the_checkpoint_resumes(
+    strategy: str, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """Rank 1 SIGKILLed as step 3 starts: rank 0 stops within seconds (not the collective's timeout)
+    naming what happened, and the step-2 checkpoint is whole and resumes."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers import make, trainer
+
+    root = Path(__file__).parents[1]
+    args = {
+        "model": str(tiny_model_dir),
+        "data": str(chat_file),
+        "out": str(tmp_path / "run"),
+        "strategy": strategy,
+    }
+    args |= {"max_steps": 6, "batch_size": 1, "ckpt_every": 2, "kill_rank_at": [1, 2]}
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(root / "tests" / "ddp_fit.py"), json.dumps(args)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0 and time.monotonic() - start < 120
+    assert "lit-instruct: another rank of this job was lost" in done.stderr
+    module, data = make(tiny_model_dir, chat_file, batch_size=2)
+    run = trainer(tmp_path / "resumed", max_steps=3, limit_val_batches=0)
+    run.fit(module, datamodule=data, ckpt_path=str(tmp_path / "run" / "epoch=0-step=2.ckpt"))
+    assert run.global_step == 3
+
+
+def test_the_strategies_wait_minutes_not_half_an_hour_for_a_lost_rank() -> None:
+    from datetime import timedelta
+
+    from lit_instruct.train.strategy import FusedCEDDPStrategy, FusedCEFSDPStrategy
+
+    assert FusedCEDDPStrategy()._timeout == FusedCEFSDPStrategy()._timeout == timedelta(minutes=10)
+    assert FusedCEDDPStrategy(timeout_minutes=2.5)._timeout == timedelta(minutes=2.5)

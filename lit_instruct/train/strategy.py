@@ -9,6 +9,8 @@ module now computes it on any strategy.
 
 from __future__ import annotations
 
+import sys
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -62,10 +64,43 @@ class FusedCESingleDeviceStrategy(SingleDeviceStrategy):
             self._chosen = devices[0]
 
 
-class FusedCEDDPStrategy(DDPStrategy):
-    """Lightning's DDP, under the name ``fused_ce_ddp``."""
+PROCESS_GROUP_TIMEOUT_MINUTES = 10.0
+"""How long a rank waits in a collective for the others before it gives up (PyTorch's default is 30
+minutes; NCCL's own watchdog then still hangs for as long): ``timeout_minutes`` of the strategies."""
+
+
+def lost_rank_message(exception: BaseException) -> str | None:
+    """One line for a rank whose peer died (a connection closed, or a timeout), else ``None``."""
+    text = str(exception)
+    lost = ("Connection closed by peer", "Connection reset by peer", "timed out", "Timeout", "NCCL")
+    if not isinstance(exception, RuntimeError) or not any(mark in text for mark in lost):
+        return None
+    first = text.strip().splitlines()[0][:300]
+    return (
+        "lit-instruct: another rank of this job was lost (killed, out of memory, or its node failed); "
+        f"this rank stops too. Resume from the last checkpoint with --ckpt_path. ({first})"
+    )
+
+
+class _LostRankReport:
+    """A strategy mixin: a rank whose peer died says so in one line before it stops."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        message = lost_rank_message(exception)
+        if message is not None:
+            sys.stderr.write(message + "\n")
+        super().on_exception(exception)  # type: ignore[misc]
+
+
+class FusedCEDDPStrategy(_LostRankReport, DDPStrategy):
+    """Lightning's DDP, under the name ``fused_ce_ddp``; a collective waits ``timeout_minutes`` for
+    the other ranks (default 10), and a rank whose peer died says so."""
 
     strategy_name = "fused_ce_ddp"
+
+    def __init__(self, timeout_minutes: float = PROCESS_GROUP_TIMEOUT_MINUTES, **kwargs: Any) -> None:
+        kwargs.setdefault("timeout", timedelta(minutes=timeout_minutes))
+        super().__init__(**kwargs)
 
 
 def hybrid_mesh(device_type: str, num_nodes: int, world_size: int) -> Any:
@@ -85,7 +120,7 @@ def hybrid_mesh(device_type: str, num_nodes: int, world_size: int) -> Any:
     return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=HYBRID_DIMS)
 
 
-class FusedCEFSDPStrategy(ModelParallelStrategy):
+class FusedCEFSDPStrategy(_LostRankReport, ModelParallelStrategy):
     """Lightning's FSDP2 (``ModelParallelStrategy``, data parallel only) for LoRA and QLoRA.
 
     The module shards its base per decoder layer in ``configure_model`` (:mod:`lit_instruct.train.fsdp`);
@@ -96,11 +131,14 @@ class FusedCEFSDPStrategy(ModelParallelStrategy):
 
     strategy_name = "fused_ce_fsdp"
 
-    def __init__(self, hybrid: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, hybrid: bool = False, timeout_minutes: float = PROCESS_GROUP_TIMEOUT_MINUTES, **kwargs: Any
+    ) -> None:
         """``hybrid``: shard within each node and replicate across nodes (HSDP, a 2-D mesh of
         ``num_nodes`` x devices per node): each rank holds ``1/devices`` of the base, and only the
         gradients' all-reduce crosses nodes (not every layer's all-gather)."""
         kwargs.setdefault("save_distributed_checkpoint", False)
+        kwargs.setdefault("timeout", timedelta(minutes=timeout_minutes))
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.hybrid = hybrid
 
