@@ -4,6 +4,7 @@ overall and per source, padded and packed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -333,3 +334,28 @@ def test_the_strategies_wait_minutes_not_half_an_hour_for_a_lost_rank() -> None:
 
     assert FusedCEDDPStrategy()._timeout == FusedCEFSDPStrategy()._timeout == timedelta(minutes=10)
     assert FusedCEDDPStrategy(timeout_minutes=2.5)._timeout == timedelta(minutes=2.5)
+
+
+def test_a_restarted_run_picks_up_its_last_checkpoint_by_itself(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """``--ckpt_path last`` (what a ``torchrun --max-restarts`` job passes on every start): a fresh
+    start where there is none yet, the last checkpoint after a restart."""
+    from lit_instruct.callbacks import AdapterCheckpoint
+    from tests.helpers import Recorder, StopAfter, make, trainer
+
+    def start(stop: int | None) -> tuple[L.Trainer, int]:
+        module, data = make(tiny_model_dir, chat_file)
+        keep = AdapterCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
+        recorder = Recorder()
+        run = trainer(tmp_path, max_steps=4, limit_val_batches=0, enable_checkpointing=True)
+        run.callbacks[:0] = [keep, recorder, *([StopAfter(stop)] if stop else [])]
+        with pytest.warns(UserWarning, match="no last checkpoint") if stop else contextlib.nullcontext():
+            run.fit(module, datamodule=data, ckpt_path="last")
+        return run, len(recorder.losses)
+
+    first, trained = start(stop=2)  # killed after step 2, as it were
+    assert (first.global_step, trained) == (2, 2)
+    restarted, trained = start(stop=None)
+    assert (restarted.global_step, trained) == (4, 2)  # steps 3 and 4 only
+    assert (tmp_path / "ckpt" / "last.ckpt").is_file() and (tmp_path / "ckpt" / "last-adapter").is_dir()
