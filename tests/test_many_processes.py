@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_instruct.data.validation_shards import EvenShards, UncountedPadding
+from lit_instruct.data.even_shards import EvenShards, UncountedPadding
 from lit_instruct.labels import IGNORE_INDEX
 from tests.ddp_fit import run_ddp_fit, validation_setup
 
@@ -359,3 +359,29 @@ def test_a_restarted_run_picks_up_its_last_checkpoint_by_itself(
     restarted, trained = start(stop=None)
     assert (restarted.global_step, trained) == (4, 2)  # steps 3 and 4 only
     assert (tmp_path / "ckpt" / "last.ckpt").is_file() and (tmp_path / "ckpt" / "last-adapter").is_dir()
+
+
+@pytest.mark.slow
+def test_an_epochs_uneven_last_batch_on_two_ranks_trains_as_one_process(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """5 samples on 2 ranks of batch 1: the third step's global batch holds one sample and one
+    repeat that evens out the ranks; the repeat counts no token, so every step is one process's."""
+    from lit_instruct.data.datamodule import InstructDataModule
+    from tests.ddp_fit import run_ddp_fit
+    from tests.helpers import make, trainer
+
+    five = tmp_path / "five.jsonl"
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS[:5]]
+    five.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = {"model": str(tiny_model_dir), "data": str(five), "out": str(tmp_path / "two"), "batch_size": 1}
+    ranks = run_ddp_fit({**args, "max_steps": 3, "strategy": "fused_ce_ddp"})
+    module, _ = make(tiny_model_dir, five)
+    data = InstructDataModule(
+        tokenizer=str(tiny_model_dir), train_files=[str(five)], batch_size=2
+    )  # as ddp_fit's
+    run = trainer(tmp_path / "one", max_steps=3, limit_val_batches=0)
+    run.fit(module, datamodule=data)
+    for rank in ranks:
+        for name, value in module.trainable_state_dict().items():
+            torch.testing.assert_close(rank["weights_per_step"][-1][name], value, atol=1e-5, rtol=0, msg=name)

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Subset
 
 from lit_instruct.data.collate import PackCollator, PadCollator
+from lit_instruct.data.even_shards import EvenShards, UncountedPadding
 from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
 from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
@@ -21,7 +22,6 @@ from lit_instruct.data.store import SampleStore
 from lit_instruct.data.templates import resolve_chat_template, template_text
 from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
-from lit_instruct.data.validation_shards import EvenShards, UncountedPadding
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir
 from lit_instruct.vocabulary import NewTokens, add_tokens, base_tokenizer, resolve_new_tokens
@@ -390,7 +390,7 @@ class InstructDataModule(L.LightningDataModule):
         return [self._val_loader(Subset(dataset, store.indices_of(store.names.index(n))), n) for n in names]
 
     def _val_loader(self, samples: Any, name: str | None) -> DataLoader:
-        """Over several ranks, each sample counted once (:mod:`lit_instruct.data.validation_shards`)."""
+        """Over several ranks, each sample counted once (:mod:`lit_instruct.data.even_shards`)."""
         trainer = self.trainer
         sampler = None
         if trainer is not None and trainer.world_size > 1:

@@ -9,6 +9,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import DistributedSampler
 
+from lit_instruct.data.even_shards import padding_index
+
 
 class InstructSampler(DistributedSampler):
     """Training sample order for one rank.
@@ -19,7 +21,8 @@ class InstructSampler(DistributedSampler):
     samples of incomplete ones go last, so that the batches stay aligned). Global batch
     ``g`` is ``order[g*B*W : (g+1)*B*W]`` and rank ``r`` takes its ``r``-th slice of ``B`` samples,
     so ``W`` ranks with batch ``B`` see the same global batches as one process with batch ``B*W``. The
-    order is padded by repeating its start to a multiple of ``W``, so every rank has as many batches.
+    order is padded to a multiple of ``W`` by repeating its start as marked indices, so every rank has
+    as many batches; the repeats count no token (:mod:`lit_instruct.data.even_shards`).
 
     With ``sources`` and ``weights`` (a mixture), each epoch first draws its samples: source ``s``
     of ``n_s`` samples and weight ``w_s`` contributes ``round(w_s * n_s)`` of them, as whole passes
@@ -131,10 +134,11 @@ class InstructSampler(DistributedSampler):
         return self.rank_share(self.global_order(epoch))
 
     def rank_share(self, order: list[int]) -> list[int]:
-        """This rank's samples of ``order`` (a global order), padded by repeating its start to a
-        multiple of the number of ranks: its slice of every global batch, then of the remainder."""
+        """This rank's samples of ``order`` (a global order), padded to a multiple of the number of
+        ranks by repeating its start as marked indices (:func:`padding_index`: run, not counted): its
+        slice of every global batch, then of the remainder."""
         world = self.num_replicas
-        order = order + order[: -len(order) % world]  # pad to a multiple of the number of ranks
+        order = order + [padding_index(i) for i in order[: -len(order) % world]]
         batch, rank = self.batch_size, self.rank
         full = len(order) // (batch * world) * batch * world
         mine = [

@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
+from lit_instruct.data.even_shards import UncountedPadding
 from lit_instruct.data.sampler import InstructSampler
 from lit_instruct.data.sources import DataSource
 from lit_instruct.data.store import SampleStore
@@ -64,7 +65,7 @@ class SampledFeed:
         )
         if self._resume is not None:
             self.sampler.resume_at(**self._resume)
-        dataset: Any = samples  # a sequence is a map-style dataset
+        dataset: Any = UncountedPadding(samples)  # the sampler's repeats run but count no token
         return DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
 
     def state_dict(self, trainer: L.Trainer) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""Validation over several ranks, each sample counted once: every rank runs as many batches (FSDP
-and DDP forwards are collective), and the padding that evens them out counts no token.
+"""Several ranks, each sample counted once: every rank runs as many batches (FSDP and DDP forwards
+are collective), and the repeats that even out the ranks' shares count no token.
 
 A plain ``DistributedSampler`` pads the order by repeating its start, and those repeats were counted
-in ``val/loss`` (9 conversations on 2 ranks gave the loss of 10). Here a repeat is handed out as a
-marked index, and :class:`UncountedPadding` gives its sample with every label ignored: it runs the
-same forward and adds nothing to the token-weighted sums.
+in ``val/loss`` (9 conversations on 2 ranks gave the loss of 10) and trained twice in an epoch's last
+uneven global batch. Here a repeat is handed out as a marked index (:func:`padding_index`, used by
+:class:`EvenShards` for validation and :class:`~lit_instruct.data.sampler.InstructSampler` for
+training), and :class:`UncountedPadding` gives its sample with every label ignored: it runs the same
+forward and backward and adds nothing to the token-weighted sums, so the step is one process's.
 """
 
 from __future__ import annotations
