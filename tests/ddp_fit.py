@@ -154,7 +154,7 @@ def main(args: dict) -> None:
 
 
 def run_ddp_fit(args: dict[str, Any]) -> list[dict[str, Any]]:
-    """Run this script in a fresh process (which starts the second rank); return both ranks' results."""
+    """Run this script in a fresh process (which starts the other ranks); return every rank's results."""
     root = Path(__file__).parents[1]
     subprocess.run(
         [sys.executable, __file__, json.dumps(args)],
@@ -163,7 +163,8 @@ def run_ddp_fit(args: dict[str, Any]) -> list[dict[str, Any]]:
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
     )
-    return [torch.load(Path(args["out"]) / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    ranks = range(args.get("devices", 2))
+    return [torch.load(Path(args["out"]) / f"rank{r}.pt", weights_only=True) for r in ranks]
 
 
 def free_port() -> int:

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 
 from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import InstructLoRAModule
 
@@ -121,15 +122,17 @@ class StopAfter(L.Callback):
 
 
 class SeenSamples(L.Callback):
-    """Every sample a training batch held, with its epoch: ``(epoch, token ids)`` (padding left out)."""
+    """Every sample a training batch trained on, with its epoch: ``(epoch, token ids)`` (padding left
+    out, and the repeats that even out the ranks, which count no token)."""
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, tuple[int, ...]]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         mask = batch["attention_mask"].bool()
-        for ids, keep in zip(batch["input_ids"], mask, strict=True):
-            self.seen.append((trainer.current_epoch, tuple(ids[keep].tolist())))
+        for ids, keep, labels in zip(batch["input_ids"], mask, batch["labels"], strict=True):
+            if bool((labels != IGNORE_INDEX).any()):
+                self.seen.append((trainer.current_epoch, tuple(ids[keep].tolist())))
 
 
 GOOD = '{"prompt": "ok", "completion": "ok"}'

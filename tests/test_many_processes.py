@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 
+from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.even_shards import EvenShards, UncountedPadding
 from lit_instruct.labels import IGNORE_INDEX
 from tests.ddp_fit import run_ddp_fit, validation_setup
@@ -198,6 +199,31 @@ def test_hybrid_sharding_on_two_nodes_of_two_trains_as_one_process(
 
 
 @pytest.mark.slow
+def test_a_two_process_checkpoint_resumes_on_four(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Stopped after 1 of its 4 steps an epoch, a 2-process DDP run resumes on 4 processes: the
+    epoch's other samples trained, each once (the 4 ranks' batches of 1 after the 2 ranks' one)."""
+    from tests.ddp_fit import run_ddp_fit
+
+    eight = tmp_path / "eight.jsonl"
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS]
+    eight.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = {"model": str(tiny_model_dir), "data": str(eight), "strategy": "fused_ce_ddp", "batch_size": 1}
+    two = run_ddp_fit(
+        {**args, "out": str(tmp_path / "two"), "max_steps": 4, "stop_after": 1, "ckpt_every": 1}
+    )
+    checkpoint = str(tmp_path / "two" / "epoch=0-step=1.ckpt")
+    four = run_ddp_fit(
+        {**args, "out": str(tmp_path / "four"), "max_steps": 3, "devices": 4, "ckpt_path": checkpoint}
+    )
+    assert len(four) == 4
+    epoch0 = [ids for rank in [*two, *four] for epoch, ids in rank["samples"] if epoch == 0]
+    data = InstructDataModule(tokenizer=str(tiny_model_dir), train_files=[str(eight)])  # as ddp_fit's
+    data.setup("fit")
+    expected = sorted(tuple(data.train_samples[i].input_ids) for i in range(len(data.train_samples)))
+    assert sorted(epoch0) == expected
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
 def test_a_two_process_checkpoint_resumes_on_one_training_each_sample_once(
     strategy: str, tiny_model_dir: Path, tmp_path: Path
@@ -255,7 +281,8 @@ def test_a_sharded_runs_adapter_merges_exports_generates_and_evaluates(
     capsys: pytest.CaptureFixture,
 ) -> None:
     """What a 2-process FSDP run (and QLoRA+FSDP) wrote: merged equal to peft's own merge, exported
-    as a GGUF LoRA file with every adapted layer, and taken by ``generate`` and ``eval``."""
+    as a GGUF LoRA file with every adapted layer and as a merged GGUF, taken by ``generate`` and
+    ``eval``."""
     import gguf
     from peft import PeftModel
     from safetensors import safe_open
@@ -281,6 +308,10 @@ def test_a_sharded_runs_adapter_merges_exports_generates_and_evaluates(
     names = [t.name for t in gguf.GGUFReader(tmp_path / "adapter.gguf").tensors]
     adapted = [k for k in safe_open(f"{adapter}/adapter_model.safetensors", "pt").keys() if "lora_A" in k]  # noqa: SIM118
     assert sum(name.endswith(".lora_a") for name in names) == len(adapted) > 0
+
+    main(["export", "--adapter", adapter, "--out", str(tmp_path / "merged.gguf"), "--gguf", "--quant", "f32"])
+    merged_tensors = {t.name for t in gguf.GGUFReader(tmp_path / "merged.gguf").tensors}
+    assert {"token_embd.weight", "blk.0.attn_q.weight", "blk.1.ffn_down.weight"} <= merged_tensors
 
     main(["generate", "--adapter", adapter, "--prompt", "Hi", "--max-new-tokens", "3"])
     main(["eval", "--adapter", adapter, "--data", str(chat_file), "--max-seq-len", "64"])
