@@ -121,6 +121,13 @@ class StopAfter(L.Callback):
             trainer.should_stop = True
 
 
+def write_chats(path: Path, chats: list[list[tuple[str, str]]]) -> Path:
+    """``chats`` ((role, content) turns each) as a chat JSONL file at ``path``."""
+    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in chats]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 class SeenSamples(L.Callback):
     """Every sample a training batch trained on, with its epoch: ``(epoch, token ids)`` (padding left
     out, and the repeats that even out the ranks, which count no token)."""

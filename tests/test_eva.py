@@ -22,7 +22,7 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.models.eva_init import EVA_BATCHES
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import EVA_RANKS_KEY, InstructLoRAModule
-from tests.helpers import StopAfter, assert_resumed_as_uninterrupted, make, recorded_fit
+from tests.helpers import StopAfter, assert_resumed_as_uninterrupted, make, recorded_fit, write_chats
 
 EVA = LoRAConfig(r=1, alpha=2, init="eva", dropout=0.1)  # dropout: the RNG state matters on resume
 """On the tiny model and ``chat_file`` in batches of 2, EVA gives some layers rank 0 (peft removes
@@ -178,9 +178,7 @@ class WeightsAtStart(L.Callback):
 @pytest.fixture
 def other_chat_file(tmp_path: Path) -> Path:
     path = tmp_path / "other.jsonl"
-    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in OTHER_CHATS]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_chats(path, OTHER_CHATS)
 
 
 def test_a_resume_takes_the_checkpoints_eva_ranks_where_a_data_pass_would_draw_others(

@@ -17,6 +17,7 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.even_shards import EvenShards, UncountedPadding
 from lit_instruct.labels import IGNORE_INDEX
 from tests.ddp_fit import run_ddp_fit, validation_setup
+from tests.helpers import write_chats
 
 VAL_CHATS = [
     [("user", "Name a colour."), ("assistant", "Green, like grass.")],
@@ -55,10 +56,7 @@ def test_validation_on_two_processes_equals_one(
 ) -> None:
     val = []
     for name, chats in (("a", VAL_CHATS[:5]), ("b", VAL_CHATS[5:])):  # 5 and 3: odd, over 2 ranks
-        path = tmp_path / f"{name}.jsonl"
-        rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in chats]
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        val.append(str(path))
+        val.append(str(write_chats(tmp_path / f"{name}.jsonl", chats)))
     args = {"validate": True, "model": str(tiny_model_dir), "data": str(chat_file), "val": val}
     args |= {"out": str(tmp_path), "strategy": strategy, "packing": packing}
     ranks = run_ddp_fit(args)
@@ -105,6 +103,27 @@ def test_a_checkpoint_of_a_low_memory_run_resumes_in_another_launch(
     assert model["low_memory_load"] is False  # this launch's (the default)
 
 
+def assert_trains_as_one_process(
+    ranks: list[dict], model: Path, data_file: Path, global_batch: int, steps: int, out: Path
+) -> None:
+    """The ranks' losses and the adapter their checkpoint holds equal one process's with the global batch."""
+    from tests.helpers import Recorder, make, trainer
+
+    module, data = make(model, data_file, batch_size=global_batch)
+    recorder = Recorder()
+    run = trainer(out.parent / "one", max_steps=steps, limit_val_batches=0, callbacks=[recorder])
+    run.fit(module, datamodule=data)
+    for rank in ranks:
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"]), torch.tensor(recorder.losses), atol=1e-5, rtol=0
+        )
+    saved = torch.load(out / "last.ckpt", weights_only=True)["state_dict"]
+    single = module.trainable_state_dict()
+    assert saved.keys() == single.keys()
+    for name, value in single.items():
+        torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=0, msg=name)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
@@ -114,7 +133,6 @@ def test_two_nodes_train_as_one_process(
     """Two "nodes" of one process each, launched as clusters launch them: the same losses and adapter
     as one process with their global batch; the checkpoint written once, by rank 0."""
     from tests.ddp_fit import run_two_nodes
-    from tests.helpers import Recorder, make, trainer
 
     steps = 2
     args = {"model": str(tiny_model_dir), "data": str(chat_file), "out": str(tmp_path / "nodes")}
@@ -122,19 +140,7 @@ def test_two_nodes_train_as_one_process(
     environment = {"torchrun": "TorchElasticEnvironment", "slurm": "SLURMEnvironment"}[launcher]
     assert [(r["world"], r["environment"]) for r in ranks] == [([2, 2, n, 0], environment) for n in (0, 1)]
 
-    module, data = make(tiny_model_dir, chat_file, batch_size=2)
-    recorder = Recorder()
-    run = trainer(tmp_path / "one", max_steps=steps, limit_val_batches=0, callbacks=[recorder])
-    run.fit(module, datamodule=data)
-    for rank in ranks:
-        torch.testing.assert_close(
-            torch.tensor(rank["losses"]), torch.tensor(recorder.losses), atol=1e-5, rtol=0
-        )
-    saved = torch.load(tmp_path / "nodes" / "last.ckpt", weights_only=True)["state_dict"]
-    single = module.trainable_state_dict()
-    assert saved.keys() == single.keys()
-    for name, value in single.items():
-        torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=0, msg=name)
+    assert_trains_as_one_process(ranks, tiny_model_dir, chat_file, 2, steps, tmp_path / "nodes")
 
 
 def test_a_cache_folder_another_node_put_in_place_first_is_kept(tmp_path: Path) -> None:
@@ -171,12 +177,9 @@ def test_hybrid_sharding_on_two_nodes_of_two_trains_as_one_process(
     """HSDP (``fused_ce_fsdp`` with ``hybrid: true``): 2 nodes x 2 processes, each rank holding half
     the base (its node's shard, not a quarter), the same training as one process with batch 4."""
     from tests.ddp_fit import run_two_nodes
-    from tests.helpers import Recorder, make, trainer
 
     steps = 2
-    eight = tmp_path / "eight.jsonl"  # two global batches of 4: no rank pads its last one
-    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS]
-    eight.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    eight = write_chats(tmp_path / "eight.jsonl", VAL_CHATS)  # 2 global batches of 4: no repeats
     args = {"model": str(tiny_model_dir), "data": str(eight), "out": str(tmp_path / "hsdp")}
     ranks = run_two_nodes(
         {**args, "max_steps": steps, "batch_size": 1, "hybrid": True}, "torchrun", per_node=2
@@ -185,17 +188,7 @@ def test_hybrid_sharding_on_two_nodes_of_two_trains_as_one_process(
     for rank in ranks:  # the decoder's weights halved; the whole embedding and head stay in the count
         assert 0.45 < rank["base_bytes"] / rank["base_bytes_whole"] < 0.6
 
-    module, data = make(tiny_model_dir, eight, batch_size=4)
-    recorder = Recorder()
-    run = trainer(tmp_path / "one", max_steps=steps, limit_val_batches=0, callbacks=[recorder])
-    run.fit(module, datamodule=data)
-    for rank in ranks:
-        torch.testing.assert_close(
-            torch.tensor(rank["losses"]), torch.tensor(recorder.losses), atol=1e-5, rtol=0
-        )
-    saved = torch.load(tmp_path / "hsdp" / "last.ckpt", weights_only=True)["state_dict"]
-    for name, value in module.trainable_state_dict().items():
-        torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=0, msg=name)
+    assert_trains_as_one_process(ranks, tiny_model_dir, eight, 4, steps, tmp_path / "hsdp")
 
 
 @pytest.mark.slow
@@ -204,9 +197,7 @@ def test_a_two_process_checkpoint_resumes_on_four(tiny_model_dir: Path, tmp_path
     epoch's other samples trained, each once (the 4 ranks' batches of 1 after the 2 ranks' one)."""
     from tests.ddp_fit import run_ddp_fit
 
-    eight = tmp_path / "eight.jsonl"
-    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS]
-    eight.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    eight = write_chats(tmp_path / "eight.jsonl", VAL_CHATS)
     args = {"model": str(tiny_model_dir), "data": str(eight), "strategy": "fused_ce_ddp", "batch_size": 1}
     two = run_ddp_fit(
         {**args, "out": str(tmp_path / "two"), "max_steps": 4, "stop_after": 1, "ckpt_every": 1}
@@ -234,9 +225,7 @@ def test_a_two_process_checkpoint_resumes_on_one_training_each_sample_once(
     from tests.ddp_fit import run_ddp_fit
     from tests.helpers import Recorder, SeenSamples, make, trainer
 
-    eight = tmp_path / "eight.jsonl"
-    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS]
-    eight.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    eight = write_chats(tmp_path / "eight.jsonl", VAL_CHATS)
     args = {
         "model": str(tiny_model_dir),
         "data": str(eight),
@@ -402,9 +391,7 @@ def test_an_epochs_uneven_last_batch_on_two_ranks_trains_as_one_process(
     from tests.ddp_fit import run_ddp_fit
     from tests.helpers import make, trainer
 
-    five = tmp_path / "five.jsonl"
-    rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in VAL_CHATS[:5]]
-    five.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    five = write_chats(tmp_path / "five.jsonl", VAL_CHATS[:5])
     args = {"model": str(tiny_model_dir), "data": str(five), "out": str(tmp_path / "two"), "batch_size": 1}
     ranks = run_ddp_fit({**args, "max_steps": 3, "strategy": "fused_ce_ddp"})
     module, _ = make(tiny_model_dir, five)
