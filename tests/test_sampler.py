@@ -40,35 +40,50 @@ def test_resume_skips_the_batches_done_in_that_epoch_only() -> None:
     sampler = InstructSampler(LENGTHS, batch_size=4, seed=5)
     sampler.set_epoch(2)
     full = list(sampler)
-    sampler.resume_at(epoch=2, batches_done=7)
+    sampler.resume_at(epoch=2, samples_done=28, order_batch=4, batches_done=7)
     assert list(sampler) == full[28:]
     assert list(sampler) == full  # the skip applies once
-    sampler.resume_at(epoch=1, batches_done=7)  # a checkpoint from an epoch that is over
+    sampler.resume_at(epoch=1, samples_done=28, order_batch=4, batches_done=7)  # an epoch that is over
     assert list(sampler) == full
 
 
-@pytest.mark.parametrize(
-    ("then", "now"), [((1, 2), (2, 1)), ((1, 2), (1, 4)), ((2, 2), (3, 1)), ((1, 4), (2, 3))]
-)
+RUNS = [  # (batch, ranks, batches each rank trains before it stops; None: to the epoch's end)
+    [(1, 2, 3), (2, 1, None)],
+    [(1, 2, 3), (1, 4, None)],
+    [(2, 2, 2), (3, 1, None)],
+    [(1, 4, 3), (2, 3, None)],
+    [(1, 2, 2), (2, 1, 2), (1, 4, 1), (3, 1, None)],  # resumed again, on yet other numbers
+    [(2, 2, 5), (1, 8, None)],  # 3 samples left for 8 ranks: every rank still gets a batch
+]
+
+
+@pytest.mark.parametrize("runs", RUNS, ids=["->".join(f"{b}x{w}" for b, w, _ in r) for r in RUNS])
 @pytest.mark.parametrize("group_by_length", [False, True])
-def test_a_resume_on_another_number_of_ranks_trains_each_sample_once(then, now, group_by_length) -> None:
-    """(batch, ranks) of the run that wrote the checkpoint, then of the one resuming it: the samples
-    the first trained and those the second trains in that epoch are the epoch's, each counted once."""
+def test_resumes_on_other_numbers_of_ranks_train_each_sample_once(runs, group_by_length) -> None:
+    """An epoch trained by runs of other (batch, ranks), each resuming the last one's checkpoint: every
+    sample counted once, every rank of a run as many batches (a collective never waits for a rank
+    with fewer), and Lightning's count of the epoch's batches never short of them."""
     lengths = [3 + (i * 7) % 11 for i in range(23)]
-    (batch, world), (new_batch, new_world) = then, now
     kwargs = {"group_by_length": group_by_length, "group_size": 2, "seed": 5}
-    before = [InstructSampler(lengths, batch, num_replicas=world, rank=r, **kwargs) for r in range(world)]
-    done = 3  # batches each rank had trained
-    trained = [i for sampler in before for i in sampler.rank_order(0)[: done * batch]]
-    after = []
-    for rank in range(new_world):
-        sampler = InstructSampler(lengths, new_batch, num_replicas=new_world, rank=rank, **kwargs)
-        sampler.resume_at(0, done, batch_size=batch, num_replicas=world)
-        batches = -(-len(sampler) // new_batch)  # what Lightning counts: the done ones and those left
-        share = list(sampler)
-        assert batches - done == -(-len(share) // new_batch)
-        after += share
-    seen = trained + after
-    counted = [i for i in seen if i >= 0]  # marked repeats (evening out the last batch) count no token
+    trained: list[int] = []
+    position = None  # (samples done, order batch, Lightning's batches done)
+    for batch, world, stop in runs:
+        shares = []
+        for rank in range(world):
+            sampler = InstructSampler(lengths, batch, num_replicas=world, rank=rank, **kwargs)
+            if position is not None:
+                sampler.resume_at(0, *position)
+            counted_batches = -(-len(sampler) // batch)  # what Lightning counts for the epoch
+            share = list(sampler)
+            before = position[2] if position else 0
+            assert counted_batches - before >= -(-len(share) // batch)
+            shares.append(share)
+        assert len({len(share) for share in shares}) == 1
+        taken = len(shares[0]) if stop is None else stop * batch
+        trained += [i for share in shares for i in share[:taken]]
+        before = position[2] if position else 0
+        ready = before + -(-taken // batch)
+        samples, order_batch = sampler.samples_done(0, ready)
+        position = (samples, order_batch, ready)
+    counted = [i for i in trained if i >= 0]  # marked repeats (evening out the last batch) count no token
     assert sorted(counted) == list(range(len(lengths)))
-    assert len(seen) - len(counted) < new_world

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterator, Sequence
 
@@ -70,6 +69,9 @@ class InstructSampler(DistributedSampler):
         self.group_by_length = group_by_length
         self.group_size = group_size
         self._resume: tuple[int, int, int, int] | None = None
+        self.position: tuple[int, int, int, int] = (-1, 0, batch_size * num_replicas, 0)
+        """The epoch being iterated, its samples skipped at the start, its order's global batch, and
+        Lightning's count of batches done before them."""
         self.members: list[list[int]] | None = None
         self.weights = list(weights) if weights is not None else None
         self.replacement = replacement
@@ -103,23 +105,31 @@ class InstructSampler(DistributedSampler):
             pool += [members[i] for i in picks[:draws]]
         return pool
 
-    def resume_at(
-        self, epoch: int, batches_done: int, batch_size: int | None = None, num_replicas: int | None = None
-    ) -> None:
-        """Skip the first ``batches_done`` batches when epoch ``epoch`` is iterated next. ``batch_size``
-        and ``num_replicas``: those of the run that trained them, when they differ from these (a
-        resume on another number of ranks): its global batches are skipped in its own order, and the
-        samples it had not reached are shared out in this sampler's global batches."""
-        self._resume = (epoch, batches_done, batch_size or self.batch_size, num_replicas or self.num_replicas)
+    def resume_at(self, epoch: int, samples_done: int, order_batch: int, batches_done: int) -> None:
+        """When epoch ``epoch`` is iterated next, start after the first ``samples_done`` samples of its
+        global order, grouped by ``order_batch`` (the global batch of the run that began the epoch,
+        kept for the whole epoch); ``batches_done``: the batches Lightning counts as done (its restored
+        progress), from which the next checkpoint's position is counted on. The rest of the epoch is
+        shared out in this sampler's global batches (another number of ranks or batch size too)."""
+        self._resume = (epoch, samples_done, order_batch, batches_done)
 
-    def global_order(self, epoch: int) -> list[int]:
-        """All ranks' samples of ``epoch``, in global-batch order (before padding)."""
+    def samples_done(self, epoch: int, batches_ready: int) -> tuple[int, int]:
+        """Where epoch ``epoch`` stands after Lightning's ``batches_ready`` batches: the samples of its
+        global order done, and the global batch that order is grouped by."""
+        here, offset, order_batch, before = self.position
+        if here != epoch:
+            return batches_ready * self.batch_size * self.num_replicas, self.batch_size * self.num_replicas
+        return offset + (batches_ready - before) * self.batch_size * self.num_replicas, order_batch
+
+    def global_order(self, epoch: int, global_batch: int | None = None) -> list[int]:
+        """All ranks' samples of ``epoch``, in global-batch order (before padding); with
+        ``group_by_length`` grouped by ``global_batch`` (default: this sampler's)."""
         generator = torch.Generator().manual_seed(self.seed + epoch)
         pool = self.epoch_pool(epoch, generator)
         order = [pool[i] for i in torch.randperm(len(pool), generator=generator).tolist()]
         if not self.group_by_length:
             return order
-        global_batch = self.batch_size * self.num_replicas
+        global_batch = global_batch or self.batch_size * self.num_replicas
         span = global_batch * self.group_size
         batches: list[list[int]] = []
         for start in range(0, len(order), span):
@@ -138,7 +148,8 @@ class InstructSampler(DistributedSampler):
         ranks by repeating its start as marked indices (:func:`padding_index`: run, not counted): its
         slice of every global batch, then of the remainder."""
         world = self.num_replicas
-        order = order + [padding_index(i) for i in order[: -len(order) % world]]
+        repeats = -len(order) % world if order else 0  # cycling: a short order may need more than itself
+        order = order + [padding_index(order[i % len(order)]) for i in range(repeats)]
         batch, rank = self.batch_size, self.rank
         full = len(order) // (batch * world) * batch * world
         mine = [
@@ -149,29 +160,23 @@ class InstructSampler(DistributedSampler):
     def __iter__(self) -> Iterator[int]:
         # A generator: the epoch and the resume point are read when iteration really starts,
         # after Lightning has set the epoch and restored a checkpoint.
+        own_batch = self.batch_size * self.num_replicas
         resume, self._resume = self._resume, None
+        if resume is not None and resume[0] > self.epoch:
+            self._resume = resume  # a later epoch's: kept for it
         if resume is None or resume[0] != self.epoch:
-            self._resume = resume if resume is not None and resume[0] > self.epoch else None
-            yield from self.rank_order(self.epoch)
-            return
-        _, done, batch, world = resume
-        if (batch, world) == (self.batch_size, self.num_replicas):
-            yield from self.rank_order(self.epoch)[done * batch :]
-            return
-        yield from self.resumed_share(self.epoch, done, batch, world)
-
-    def resumed_share(self, epoch: int, done: int, batch: int, world: int) -> list[int]:
-        """This rank's share of what a run of ``batch`` x ``world`` had not reached of ``epoch``
-        after ``done`` batches, in that run's order."""
-        then = copy.copy(self)
-        then.batch_size, then.num_replicas = batch, world
-        return self.rank_share(then.global_order(epoch)[done * batch * world :])
+            resume = (self.epoch, 0, own_batch, 0)
+        self.position = resume
+        _, offset, order_batch, _ = resume
+        yield from self.rank_share(self.global_order(self.epoch, order_batch)[offset:])
 
     def __len__(self) -> int:
-        """Samples this rank takes in an epoch. Resuming on another number of ranks or batch size:
-        what keeps Lightning's count right (it takes the batches done from the checkpoint), the done
-        batches in this batch size plus the share of what is left."""
-        if self._resume is None or self._resume[2:] == (self.batch_size, self.num_replicas):
+        """Samples this rank takes in an epoch, at least. Lightning reads it once, as its count of an
+        epoch's batches, and takes the batches done from a checkpoint: resuming on another number of
+        ranks or batch size, the epoch holds those plus the share of what is left, which may be more
+        (the loader ends an epoch where its samples end, never before)."""
+        if self._resume is None:
             return self.num_samples
-        epoch, done, batch, world = self._resume
-        return done * self.batch_size + len(self.resumed_share(epoch, done, batch, world))
+        epoch, offset, order_batch, before = self._resume
+        left = self.rank_share(self.global_order(epoch, order_batch)[offset:])
+        return max(self.num_samples, before * self.batch_size + len(left))

@@ -63,22 +63,28 @@ class SampledFeed:
             weights=weights if mixture else None,
             replacement=self.replacement,
         )
-        if self._resume is not None:
-            self.sampler.resume_at(**self._resume)
+        if self._resume is not None:  # checkpoints before positions in samples give batches of their own size
+            state, ours = self._resume, batch_size * world
+            written = (state.get("batch_size") or batch_size) * (state.get("num_replicas") or world)
+            done = state.get("samples_done", state["batches_done"] * written)
+            order_batch = state.get("order_batch") or (written if "batch_size" in state else ours)
+            self.sampler.resume_at(state["epoch"], done, order_batch, state["batches_done"])
         dataset: Any = UncountedPadding(samples)  # the sampler's repeats run but count no token
         return DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
 
     def state_dict(self, trainer: L.Trainer) -> dict[str, Any]:
-        """The epoch and how many of its batches are done, from the Trainer's own progress (which
-        counts what the loop consumed; a DataLoader's count would include what was fetched ahead)."""
+        """The epoch and where it stands, from the Trainer's own progress (which counts what the loop
+        consumed; a DataLoader's count would include what was fetched ahead): in samples of the epoch's
+        global order, so that another number of ranks or batch size resumes it (and again after)."""
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         assert self.sampler is not None
-        state = {"epoch": trainer.current_epoch, "batches_done": done, "batch_size": self.sampler.batch_size}
-        return {**state, "num_replicas": trainer.world_size}
+        samples, order_batch = self.sampler.samples_done(trainer.current_epoch, done)
+        state = {"epoch": trainer.current_epoch, "batches_done": done, "samples_done": samples}
+        return {**state, "order_batch": order_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint's place (its run's batch size and ranks too, when it records them)."""
-        self._resume = {k: state.get(k) for k in ("epoch", "batches_done", "batch_size", "num_replicas")}
+        """A checkpoint's place (older checkpoints: batches done, and maybe their batch size and ranks)."""
+        self._resume = dict(state)
 
     def on_batch(self, batch: Any) -> Any:
         return batch

@@ -71,9 +71,14 @@ minutes; NCCL's own watchdog then still hangs for as long): ``timeout_minutes`` 
 
 def lost_rank_message(exception: BaseException) -> str | None:
     """One line for a rank whose peer died (a connection closed, or a timeout), else ``None``."""
+    from torch.distributed import DistBackendError
+
     text = str(exception)
-    lost = ("Connection closed by peer", "Connection reset by peer", "timed out", "Timeout", "NCCL")
-    if not isinstance(exception, RuntimeError) or not any(mark in text for mark in lost):
+    lost = ("Connection closed by peer", "Connection reset by peer")  # gloo: the peer's socket is gone
+    if not (
+        isinstance(exception, DistBackendError)
+        or (isinstance(exception, RuntimeError) and any(m in text for m in lost))
+    ):
         return None
     first = text.strip().splitlines()[0][:300]
     return (
