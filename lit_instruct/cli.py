@@ -22,10 +22,12 @@ from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import adapter_chat_template
 from lit_instruct.models.output_head import UnsupportedModelError
+from lit_instruct.precision import AUTO, auto_precision, base_dtype
 from lit_instruct.preflight import check_config
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.module import InstructLoRAModule
+from lit_instruct.train.trainer import InstructTrainer
 
 
 def _val_metrics(results: list[Mapping[str, float]]) -> dict[str, float]:
@@ -76,6 +78,7 @@ class InstructCLI(LightningCLI):
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("seed_everything_default", 42)
         kwargs.setdefault("save_config_callback", ConfigToLoggers)
+        kwargs.setdefault("trainer_class", InstructTrainer)
         super().__init__(InstructLoRAModule, InstructDataModule, **kwargs)
 
     @staticmethod
@@ -92,6 +95,20 @@ class InstructCLI(LightningCLI):
         parser.add_argument(
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )
+        parser.set_defaults({"model.dtype": AUTO})
+
+    def resolve_auto(self) -> None:
+        """``trainer.precision: auto`` and ``model.dtype: auto`` replaced in the parsed config by what
+        they resolve to on this machine (:mod:`lit_instruct.precision`), said once; the saved
+        ``config.yaml`` then records the choice."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer, model = config["trainer"], config["model"]
+        if trainer.get("precision") == AUTO:
+            choice = auto_precision(trainer.get("accelerator", AUTO))
+            trainer["precision"] = choice.precision
+            rank_zero_info(f"lit-instruct: {choice.line()}")
+        if model.get("dtype") == AUTO:
+            model["dtype"] = base_dtype(AUTO, trainer.get("precision"))
 
     def _parse_ckpt_path(self) -> None:
         """Lightning brings a checkpoint's hyperparameters back over the config; those that say how
@@ -115,6 +132,7 @@ class InstructCLI(LightningCLI):
         structure on its skeleton, no weights), the data (on the launching process: the other ranks
         read it from the cache or in their own setup), then the model, the datamodule (handed the
         checked samples) and the Trainer."""
+        self.resolve_auto()
         self.model_plan = check_config(self.subcommand_config())
         checked = None
         if self.subcommand == "fit" and launched_rank() == 0:
@@ -190,6 +208,7 @@ class CheckCLI(InstructCLI):
     weights read: what ``lit-instruct check`` prints its plan from."""
 
     def instantiate_classes(self) -> None:
+        self.resolve_auto()
         self.model_plan = check_config(self.subcommand_config())
         self.datamodule = self.data_module()
 

@@ -61,7 +61,12 @@ FACTORS: dict[str, list[Any]] = {
     "strategy": ["fused_ce", "auto"],
     "accumulation": [1, 2],
     "new_tokens": [None, ["<|fact|>"]],
+    "precision": ["32-true", "bf16-mixed"],  # bf16: the base stored in bf16 (model.dtype: auto)
+    "checkpointing": [False, True],
 }
+BF16_LOSS = 2e-2
+"""The step's loss under bf16 vs the model's own under the same autocast: both round every GEMM to
+8 mantissa bits, in different places (the fused loss and LoRA layers vs peft's and the model's)."""
 
 CHATS = [
     [("user", "What is the capital of France?"), ("assistant", "Paris, the city of light.")],
@@ -101,10 +106,13 @@ def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, A
     lora |= {"use_dora": True} if case["variant"] == "dora" else {}
     lora |= {"use_rslora": True} if case["variant"] == "rslora" else {}
     lora |= {"loraplus_lr_ratio": 4.0} if case["variant"] == "loraplus" else {}
-    quantization = {"method": case["quantization"], "compute_dtype": "float32"}
+    bf16 = case["precision"] == "bf16-mixed"
+    quantization = {"method": case["quantization"], "compute_dtype": "bfloat16" if bf16 else "float32"}
     return {
         "model": {
             "model": model,
+            "dtype": "bfloat16" if bf16 else "float32",
+            "gradient_checkpointing": case["checkpointing"],
             "lora": lora,
             "quantization": quantization,
             "packing": case["packing"],
@@ -127,6 +135,7 @@ def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, A
         "trainer": {
             "strategy": case["strategy"],
             "accumulate_grad_batches": case["accumulation"],
+            "precision": case["precision"],
             "max_steps": 1,
         },
     }
@@ -174,6 +183,7 @@ def case_id(case: dict[str, Any]) -> str:
     parts += ["packed" * case["packing"], "streamed" * case["streaming"], "-".join(case["turns"]), targets]
     parts += [f"layers{layers}" if layers else "", str(case["variant"] or ""), case["strategy"]]
     parts += [f"accum{case['accumulation']}", "newtok" if case["new_tokens"] else ""]
+    parts += ["bf16" if case["precision"] == "bf16-mixed" else "", "gc" if case["checkpointing"] else ""]
     return "/".join(p for p in parts if p)
 
 
@@ -201,7 +211,8 @@ def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class StepReference(L.Callback):
     """The model's own loss on each micro-batch of the first optimizer step, before that step."""
 
-    def __init__(self) -> None:
+    def __init__(self, precision: str) -> None:
+        self.precision = precision
         self.sums: list[float] = []
         self.counts: list[int] = []
         self.packed: list[bool] = []
@@ -212,7 +223,8 @@ class StepReference(L.Callback):
         if trainer.global_step > 0:
             return
         self.packed.append("packed_segments" in batch)
-        with torch.no_grad():
+        bf16 = self.precision == "bf16-mixed"
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             for sample_batch in _alone(batch):
                 count = int((sample_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
                 if count:
@@ -291,6 +303,12 @@ def assert_options_show(case: dict[str, Any], module: InstructLoRAModule, traine
         assert any(isinstance(m, bnb.nn.Linear4bit) for m in module.model.modules())
     if case["new_tokens"]:
         assert module.base_model.get_input_embeddings().weight.shape[0] > VOCAB
+    if case["precision"] == "bf16-mixed" and case["quantization"] == "none":
+        assert module.lm_head.weight.dtype == torch.bfloat16
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)  # adapters and their state: fp32
+    if case["checkpointing"]:
+        assert module.base_model.is_gradient_checkpointing
 
 
 @pytest.mark.slow
@@ -316,10 +334,11 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
     L.seed_everything(0)
     data = InstructDataModule(**config["data"])
     module = InstructLoRAModule(**config["model"], added_tokens=data.new_token_list())
-    reference = StepReference()
+    reference = StepReference(case["precision"])
     run = trainer(
         tmp_path,
         max_steps=1,
+        precision=case["precision"],
         accumulate_grad_batches=case["accumulation"],
         strategy=case["strategy"],
         callbacks=[reference],
@@ -328,7 +347,7 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
     run.fit(module, datamodule=data)
     loss = float(run.callback_metrics["train/loss"])
     assert math.isfinite(loss)
-    assert loss == pytest.approx(reference.loss, rel=1e-4)
+    assert loss == pytest.approx(reference.loss, rel=BF16_LOSS if case["precision"] == "bf16-mixed" else 1e-4)
     assert len(reference.packed) == case["accumulation"] and set(reference.packed) == {case["packing"]}
     linear, experts = adapted(module)
     expected = f"LoRA: {len(linear)} of {len(linear)} linear layers"

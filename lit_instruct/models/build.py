@@ -82,6 +82,15 @@ def check_model_settings(
     refuse_conflicts(settings)
 
 
+def trainable_in_fp32(model: torch.nn.Module) -> None:
+    """Every trained weight in fp32 whatever the base's dtype: peft keeps LoRA factors fp32 over a
+    bf16 base, but new tokens' rows and ``modules_to_save`` copies come in the base's dtype, where
+    Adam's small updates would round away. Their forward casts them to the base's dtype as it runs."""
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype in (torch.bfloat16, torch.float16):
+            parameter.data = parameter.data.float()
+
+
 def build_trainable_model(
     options: ModelOptions,
     lora: LoRAConfig,
@@ -130,6 +139,7 @@ def build_trainable_model(
         trainable = trainable_token_indices(base, token_ids) if token_ids else None
         peft_model = attach_lora(base, lora, not low_memory_ranks, trainable)  # the same on every rank
     peft_model.train()  # from_pretrained leaves the base in eval mode; LoRA dropout must be live
+    trainable_in_fp32(peft_model)
     initial = initial_adapter(peft_model) if residual else None
     fuse_now = options.fuse_lora and lora.init != "eva"  # EVA's data pass hooks peft's own layers first
     fused = fuse_lora(peft_model, check=not on_meta) if fuse_now else None

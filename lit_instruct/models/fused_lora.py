@@ -12,8 +12,11 @@ intermediate)`` tensors.
 Nothing about the adapters changes: PEFT's modules and parameters stay where they are (adapter files
 are PEFT's own), and each call falls back to PEFT's forward whenever it does anything this does not
 (dropout, disabled or merged adapters, several adapters, DoRA, a base weight that trains, bases that
-are not plain float tensors such as 4-bit layers or DTensor shards, autocast). :func:`fuse_lora`
-checks every rewritten layer against PEFT's own forward and backward at build time.
+are not plain float tensors such as 4-bit layers or DTensor shards). Under autocast (``precision:
+bf16-mixed``) a fused node runs wholly in autocast's dtype, as autocast runs PEFT's linear layers:
+its input, base weights (no copy when they are stored in that dtype) and adapters cast to it, the
+adapters' gradients returned in their own fp32. :func:`fuse_lora` checks every rewritten layer against
+PEFT's own forward and backward at build time, in the dtype its base weights are stored in.
 """
 
 from __future__ import annotations
@@ -40,6 +43,23 @@ class Parts:
     b: torch.Tensor
     scaling: float
 
+    def to(self, dtype: torch.dtype) -> Parts:
+        """The parts cast to ``dtype`` (autograd sees the casts: fp32 adapters get fp32 gradients)."""
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return Parts(self.weight.to(dtype), bias, self.a.to(dtype), self.b.to(dtype), self.scaling)
+
+
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 5e-3}
+"""The build-time check's bound (relative to each tensor's largest entry) per dtype the check runs
+in: fp32 tells a rewrite apart from rounding; bf16 and fp16 round every GEMM output to 8 and 11
+mantissa bits, and the fused and PEFT's paths add in different orders."""
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes linear layers in for ``x``'s device, ``None`` when it is off."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
 
 def lora_parts(layer: nn.Module, x: torch.Tensor) -> Parts | None:
     """The parts of a PEFT LoRA ``Linear`` whose call on ``x`` is plain LoRA; ``None`` otherwise."""
@@ -59,12 +79,16 @@ def lora_parts(layer: nn.Module, x: torch.Tensor) -> Parts | None:
         return None
     if not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.Dropout) and dropout.p == 0)):
         return None
-    if torch.is_autocast_enabled(x.device.type) or not x.dtype.is_floating_point:
+    if not x.dtype.is_floating_point:
         return None
     tensors = (base.weight, a.weight, b.weight)
     if any(type(t) is not nn.Parameter and type(t) is not torch.Tensor for t in tensors):
         return None  # a DTensor, a quantized tensor subclass, ...
-    if any(t.dtype != x.dtype or t.device != x.device for t in tensors):
+    if any(t.device != x.device for t in tensors):
+        return None
+    if autocast_dtype(x) is None and any(t.dtype != x.dtype for t in tensors):
+        return None  # mixed dtypes without autocast: PEFT casts the input to the adapter's dtype
+    if not all(t.dtype.is_floating_point for t in tensors):
         return None
     return Parts(base.weight, base.bias, a.weight, b.weight, float(layer.scaling[name]))
 
@@ -193,8 +217,15 @@ class SwiGLULoRA(torch.autograd.Function):
 
 
 def _apply(function: Any, x: torch.Tensor, parts: Sequence[Parts]) -> Any:
+    """``function`` on ``x`` flattened to ``(M, K)``; under autocast, everything in its dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    result = function.apply(flat, tuple(p.scaling for p in parts), *_flat(parts))
+    dtype = autocast_dtype(x)
+    if dtype is None:
+        result = function.apply(flat, tuple(p.scaling for p in parts), *_flat(parts))
+    else:
+        with torch.autocast(x.device.type, enabled=False):
+            cast = [p.to(dtype) for p in parts]
+            result = function.apply(flat.to(dtype), tuple(p.scaling for p in parts), *_flat(cast))
     if isinstance(result, tuple):
         return tuple(y.view(*x.shape[:-1], y.shape[-1]) for y in result)
     return result.view(*x.shape[:-1], result.shape[-1])
@@ -360,16 +391,22 @@ def _check(
     undo: Callable[[], None],
 ) -> bool:
     """``fast`` (the rewrite) against ``slow`` (PEFT's forward) on a few random tokens as wide as the
-    input of the projection ``first``: outputs and the gradients of ``params`` (1e-4 relative); on a
-    difference, ``undo`` and return False. Skipped (True) for a weightless (meta) or non-float model."""
+    input of the projection ``first``: outputs and the gradients of ``params``, within
+    :data:`CHECK_TOLERANCE` of the base weights' dtype (a bf16 or fp16 base: both under autocast to
+    it, as ``bf16-mixed`` runs them); on a difference, ``undo`` and return False. Skipped (True) for a
+    weightless (meta) or non-float model."""
     weight = next(first.parameters())
     if weight.is_meta or not weight.dtype.is_floating_point:
         return True
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, int(first.in_features), generator=generator).to(weight.device, weight.dtype)
-    for f, s in zip(_outputs_and_grads(fast, x, params), _outputs_and_grads(slow, x, params), strict=True):
-        error, scale = float((f - s).abs().max()), float(s.abs().max()) or 1.0
-        if error > 1e-4 * scale:
+    low = weight.dtype in (torch.bfloat16, torch.float16)
+    with torch.autocast(weight.device.type, dtype=weight.dtype, enabled=low):
+        pairs = zip(_outputs_and_grads(fast, x, params), _outputs_and_grads(slow, x, params), strict=True)
+    tolerance = CHECK_TOLERANCE.get(weight.dtype, CHECK_TOLERANCE[torch.float32])
+    for f, s in pairs:
+        error, scale = float((f.float() - s.float()).abs().max()), float(s.float().abs().max()) or 1.0
+        if error > tolerance * scale:
             undo()
             return False
     return True

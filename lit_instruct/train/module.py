@@ -13,6 +13,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
@@ -22,13 +23,14 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir, save_adapter
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
-from lit_instruct.models.build import ModelOptions, build_trainable_model
+from lit_instruct.models.build import ModelOptions, build_trainable_model, trainable_in_fp32
 from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.eva_init import EvaResult, apply_eva_ranks, initialise_eva
 from lit_instruct.models.fused_lora import fuse_lora
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.models.residual_init import as_plain_lora
+from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
 from lit_instruct.train.resume import resumed_entry
@@ -113,7 +115,10 @@ class InstructLoRAModule(L.LightningModule):
 
     Args:
         model: bundled name (``smollm2-135m-instruct``), local folder, or hub id.
-        dtype: dtype of the base weights.
+        dtype: dtype of the frozen base weights; ``auto``: ``bfloat16`` where the device computes
+            bf16 natively (:func:`lit_instruct.precision.auto_precision`, the Trainer's
+            ``precision="auto"``), else ``float32``; a bf16 base under an fp32 Trainer precision is
+            upcast at setup. The LoRA weights, their gradients and the optimizer state stay fp32.
         lora: LoRA adapter settings.
         learning_rate: peak AdamW learning rate.
         weight_decay: AdamW weight decay on adapter weights.
@@ -165,7 +170,7 @@ class InstructLoRAModule(L.LightningModule):
     def __init__(
         self,
         model: str = "smollm2-135m-instruct",
-        dtype: DType = "float32",
+        dtype: DType | Literal["auto"] = "float32",
         lora: LoRAConfig | dict[str, Any] | None = None,
         learning_rate: float = 2e-4,
         weight_decay: float = 0.0,
@@ -200,9 +205,10 @@ class InstructLoRAModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.hparams["lora"] = asdict(self.lora_config)  # plain data in checkpoints
         self.hparams["quantization"] = asdict(self.quantization)
+        self.dtype_chosen = dtype == AUTO  # by the hardware: undone at setup under an fp32 Trainer
         options = ModelOptions(
             model,
-            dtype,
+            auto_precision().dtype if dtype == AUTO else dtype,  # type: ignore[arg-type]
             trust_remote_code,
             attn_implementation,
             packing,
@@ -258,6 +264,8 @@ class InstructLoRAModule(L.LightningModule):
                 "data.packing is on but the model was built without packing: pass "
                 "InstructLoRAModule(packing=True) (the CLI links data.packing to model.packing)"
             )
+        if self.dtype_chosen:
+            self._match_trainer_precision()
         if self.eva_pending and stage == "fit":
             self._initialise_eva(datamodule)
         new_token_list = getattr(datamodule, "new_token_list", None)
@@ -268,6 +276,18 @@ class InstructLoRAModule(L.LightningModule):
                 f"added_tokens={self.hparams.get('added_tokens')}: pass InstructLoRAModule(added_tokens="
                 "datamodule.new_token_list()) (the CLI links them)"
             )
+
+    def _match_trainer_precision(self) -> None:
+        """``dtype: auto`` chose bf16 base weights for this hardware, but the Trainer computes in
+        fp32: the base's floating weights go back to fp32 (what that precision asks for)."""
+        precision = str(self.trainer.precision)
+        low = [p for p in self.model.parameters() if p.dtype in (torch.bfloat16, torch.float16)]
+        if is_bf16(precision) or precision.startswith("16") or not low:
+            return
+        for parameter in low:
+            parameter.data = parameter.data.float()
+        rank_zero_info(f"lit-instruct: model.dtype auto: base weights float32 under precision {precision}")
+        self.dtype_chosen = False
 
     def _initialise_eva(self, datamodule: Any) -> None:
         """``lora.init: eva``: set the adapters (before the optimizer exists: the ranks may change), then
@@ -294,6 +314,7 @@ class InstructLoRAModule(L.LightningModule):
 
     def _eva_done(self, ranks: dict[str, int]) -> None:
         self.eva_ranks = dict(ranks)
+        trainable_in_fp32(self.model)  # EVA's adapters come in the base's dtype
         if self.hparams["fuse_lora"]:
             self.fused_layers = fuse_lora(self.model)
         self.eva_pending = False
