@@ -1,7 +1,8 @@
 """Where a training step's time goes: ``torch.profiler`` on the benchmark's own packed batches.
 
 Builds the module as ``benchmarks/vs_trl.py`` does (SmolLM2-135M-Instruct, LoRA r=16 on all linear
-layers, fp32, fused loss, packing), runs ``--warmup`` steps, then profiles ``--steps`` steps (forward,
+layers, fp32 or with ``--bf16`` as ``precision: auto`` runs it where bf16 is native, fused loss,
+packing), runs ``--warmup`` steps, then profiles ``--steps`` steps (forward,
 backward, gradient rescale + clipping, optimizer) and prints each category's share of the CPU time
 (self time of the ops in it), the wall time of each phase and the top ops. Module options are
 ``key=value`` pairs (``compile_layers=true``); ``--loop-optimizer`` steps AdamW tensor by tensor,
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument(
         "--loop-optimizer", action="store_true", help="AdamW's per-tensor loop (torch's CPU default)"
     )
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 base weights, forward under bf16 autocast (precision: auto)"
+    )
     args = parser.parse_args()
 
     from vs_trl import BATCH, LR, RANK, SEED
@@ -84,7 +88,9 @@ def main() -> None:
     torch.manual_seed(SEED)
     batches = packed_batches(args.warmup + args.steps, args.batch or BATCH)
     lora = LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules=["all-linear"])
-    module = InstructLoRAModule(lora=lora, learning_rate=LR, packing=True, **parse_options(args.options))
+    options = {"dtype": "bfloat16"} if args.bf16 else {}
+    options |= parse_options(args.options)
+    module = InstructLoRAModule(lora=lora, learning_rate=LR, packing=True, **options)
     module.loss_fn = FusedLinearCrossEntropy()
     params = [p for p in module.parameters() if p.requires_grad]
     if args.loop_optimizer:
@@ -95,7 +101,8 @@ def main() -> None:
 
     def step(batch: dict) -> None:
         clock = time.perf_counter()
-        loss_sum, count = module.loss_sum_and_count(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss_sum, count = module.loss_sum_and_count(batch)
         phases["forward"] += time.perf_counter() - clock
         clock = time.perf_counter()
         loss_sum.backward()

@@ -1,15 +1,19 @@
 """lit-instruct vs TRL's SFTTrainer on identical LoRA work: tokens/s, peak memory, loss.
 
-Both train SmolLM2-135M-Instruct in fp32 (TRL's bf16 default turned off: emulated and slow on CPUs
-without native bf16) with LoRA r=16 on all linear layers, completion-only loss,
+Both train SmolLM2-135M-Instruct, each at its best in fp32 and in bf16 (where the CPU has native
+bf16: AVX512-BF16 or AMX), with LoRA r=16 on all linear layers, completion-only loss,
 batch 4, max length 512, constant LR 2e-4, AdamW, gradient clipping at 1.0, on the same instruction
 data (~80-token prompts, ~100-token answers, built from the chatterbot corpus) in the same order,
 for the same number of optimizer steps. Each run is its own process; the runs alternate for
 ``--rounds`` rounds and the best round of each is reported. Steady state: after ``--warmup`` steps
-(their time, which includes ``torch.compile``'s, is reported apart).
+(their time, which includes ``torch.compile``'s, is reported apart). The FLOP limit of each run is
+its tokens/s over what the machine's fp32 or bf16 GEMMs at the step's own shapes allow, both
+measured in the same run. ``--competing`` runs each tool again beside one busy process at ``nice 19``
+(a shared machine): the ratio of each tool's speed with it to without.
 
-The runs (``--runs``; every ratio is against ``trl``, 1.00x when it is left out):
+The runs (``--runs``; every ratio is against ``trl-bf16``, else ``trl``, else 1.00x):
   trl          TRL's fastest fp32 settings: bf16 and gradient checkpointing off
+  trl-bf16     trl with ``bf16=True`` (TRL's own default; autocast over the fp32 model)
   trl-gc       TRL with its default gradient checkpointing
   ours-eager   ``configs/lora.yaml``'s choices: fused CE (``fused_ce``), padding-free packing
                (``data.packing``) and the fused LoRA layers (``model.fuse_lora``, the default)
@@ -18,10 +22,13 @@ The runs (``--runs``; every ratio is against ``trl``, 1.00x when it is left out)
   ours-gc      ours-eager + ``model.gradient_checkpointing``
   ours-gc-half ours-gc on the first 15 of the 30 layers only (``model.checkpoint_layers: 15``)
   ours-lean    ours + ``model.gradient_checkpointing``
-  ours-bf16    ours-eager under bf16 autocast (``trainer.precision: bf16-mixed``)
+  ours-bf16    ours-eager under bf16 autocast (``trainer.precision: bf16-mixed``), fp32 base weights
+  ours-auto    the shipped configs' default: ``precision: auto`` and ``model.dtype: auto`` (bf16
+               autocast over bf16 base weights where the CPU does bf16, else ours-eager)
 
     pip install 'lit-instruct[bench]'          # trl, datasets
-    python benchmarks/vs_trl.py                # 20 steps, 2 rounds (about 45 min on 2 cores)
+    python benchmarks/vs_trl.py                # trl, trl-bf16, ours-eager, ours-auto: 12 steps
+    python benchmarks/vs_trl.py --competing    # the same, then again beside a busy process
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import argparse
 import itertools
 import json
 import resource
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -46,8 +55,15 @@ OURS = {  # (module options, Trainer precision)
     "ours-gc-half": ({"gradient_checkpointing": True, "checkpoint_layers": 15}, "32-true"),
     "ours-lean": ({"compile_layers": True, "gradient_checkpointing": True}, "32-true"),
     "ours-bf16": ({}, "bf16-mixed"),
+    "ours-auto": ({"dtype": "auto"}, "auto"),
 }
-TRL = {"trl": {"gradient_checkpointing": False}, "trl-gc": {"gradient_checkpointing": True}}
+TRL = {
+    "trl": {"gradient_checkpointing": False},
+    "trl-bf16": {"gradient_checkpointing": False, "bf16": True},
+    "trl-gc": {"gradient_checkpointing": True},
+}
+SPIN = "while True: pass"
+"""The competing process: one busy thread at ``nice 19``."""
 
 
 def instruction_records(
@@ -99,6 +115,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
     import lightning as L
 
     from lit_instruct import InstructLoRAModule, LoRAConfig
+    from lit_instruct.train.trainer import InstructTrainer
 
     class StepClock(L.Callback):
         def __init__(self) -> None:
@@ -131,7 +148,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
             **options,
         )
         datamodule = packed_datamodule(data)
-        trainer = L.Trainer(
+        trainer = InstructTrainer(
             accelerator="cpu",
             strategy="fused_ce",
             precision=precision,
@@ -146,7 +163,8 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
             callbacks=[clock],
         )
         trainer.fit(module, datamodule=datamodule)
-    return {"steps": clock.rows, "peak_rss_mb": peak_rss_mb()}
+        bf16 = str(trainer.precision).startswith("bf16")
+    return {"steps": clock.rows, "peak_rss_mb": peak_rss_mb(), "bf16": bf16}
 
 
 def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
@@ -216,8 +234,7 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
             save_strategy="no",
             report_to="none",
             use_cpu=True,
-            bf16=False,  # fp32 like ours (TRL defaults to bf16, emulated and slow on CPUs without it)
-            **options,  # gradient_checkpointing: TRL's default is on, off is its faster setting
+            **{"bf16": False, **options},  # gradient checkpointing: TRL's default is on, off is faster
             seed=SEED,
             dataloader_num_workers=0,
             disable_tqdm=True,
@@ -238,7 +255,7 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
     rows = [
         (t, *counted[k], loss) for k, (t, loss) in enumerate(zip(clock.times, clock.losses, strict=False))
     ]
-    return {"steps": rows, "peak_rss_mb": peak_rss_mb()}
+    return {"steps": rows, "peak_rss_mb": peak_rss_mb(), "bf16": bool(options.get("bf16"))}
 
 
 def flops_per_token(config, response_fraction: float, mean_context: float) -> float:
@@ -255,19 +272,27 @@ def flops_per_token(config, response_fraction: float, mean_context: float) -> fl
     return 4 * frozen + 6 * adapters + 3 * attention
 
 
-def sgemm_gflops(trials: int = 5, repeats: int = 10) -> float:
-    """The machine's fp32 matmul rate: best of ``trials`` (single trials vary by ~15% here)."""
+def gemm_gflops(dtype: str, tokens: int, config, trials: int = 5) -> float:
+    """The machine's matmul rate in ``dtype`` at the step's own shapes: a decoder layer's
+    projections (q, k, v, o, gate, up, down) on ``tokens`` rows, best of ``trials``."""
     import torch
 
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
+    h, inter = config.hidden_size, config.intermediate_size
+    kv = h * config.num_key_value_heads // config.num_attention_heads
+    shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h)]
+    kind = getattr(torch, dtype)
+    pairs = [(torch.randn(tokens, k).to(kind), torch.randn(k, n).to(kind)) for k, n in shapes]
+    flops = sum(2 * tokens * k * n for k, n in shapes) * 10
+    for a, b in pairs:
+        a @ b
     best = float("inf")
     for _ in range(trials):
         start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
+        for _ in range(10):
+            for a, b in pairs:
+                a @ b
         best = min(best, time.perf_counter() - start)
-    return 2 * 2048**3 * repeats / best / 1e9
+    return flops / best / 1e9
 
 
 def summarize(result: dict, warmup: int) -> dict:
@@ -281,6 +306,8 @@ def summarize(result: dict, warmup: int) -> dict:
         "warmup_s": sum(r[0] for r in result["steps"][:warmup]),
         "peak_rss_mb": result["peak_rss_mb"],
         "losses": [r[3] for r in result["steps"]],
+        "bf16": result["bf16"],
+        "tokens_per_step": sum(r[1] for r in rows) / len(rows),
     }
 
 
@@ -291,8 +318,8 @@ def worker(which: str, data: Path, steps: int) -> dict:
     return run_trl(data, steps, order, TRL[which])
 
 
-def print_report(best: dict[str, dict], limit: float) -> None:
-    trl = best.get("trl")  # without it (a run to compare losses), every ratio reads 1.00x
+def print_report(best: dict[str, dict], limits: dict[bool, float]) -> None:
+    trl = best.get("trl-bf16", best.get("trl"))  # without TRL (a run to compare losses): 1.00x
     heads = ("tokens/s", 15), ("resp tok/s", 15), ("peak RSS MB", 17), ("FLOP limit", 10), ("warmup s", 8)
     print(f"{'':>10} " + " ".join(f"{name:>{width}}" for name, width in heads))
     for which, r in best.items():
@@ -301,9 +328,9 @@ def print_report(best: dict[str, dict], limit: float) -> None:
             f"{which:>10} {r['tokens_per_s']:>7.1f} ({ratios[0]:.2f}x) "
             f"{r['response_tokens_per_s']:>7.1f} ({ratios[1]:.2f}x) "
             f"{r['peak_rss_mb']:>9.0f} ({ratios[2]:.2f}x) "
-            f"{r['tokens_per_s'] / limit:>10.1%} {r['warmup_s']:>8.1f}"
+            f"{r['tokens_per_s'] / limits[r['bf16']]:>10.1%} {r['warmup_s']:>8.1f}"
         )
-    print("loss per step (" + " | ".join(best) + "):")
+    print("loss per step (" + " | ".join(best) + "):")  # bf16 runs: within bf16's rounding
     for step, losses in enumerate(zip(*(r["losses"] for r in best.values()), strict=False)):
         print(f"  {step:>3} " + " | ".join(f"{x:.4f}" for x in losses))
 
@@ -311,10 +338,11 @@ def print_report(best: dict[str, dict], limit: float) -> None:
 def main() -> None:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2)
-    default_runs = ["trl", "ours-peft", "ours-eager", "ours", "ours-gc", "ours-lean"]
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--competing", action="store_true", help="again beside a busy process at nice 19")
+    default_runs = ["trl", "trl-bf16", "ours-eager", "ours-auto"]
     parser.add_argument("--runs", nargs="+", choices=[*TRL, *OURS], default=default_runs)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/vs_trl.json"))
     parser.add_argument("--worker", nargs=3, metavar=("WHICH", "DATA", "STEPS"), help=argparse.SUPPRESS)
@@ -340,27 +368,46 @@ def main() -> None:
         order = InstructSampler([1] * len(records), BATCH, seed=SEED).rank_order(0)
         data.with_suffix(".order.json").write_text(json.dumps(order))
         runs: dict[str, list[dict]] = {which: [] for which in args.runs}
+        shared: dict[str, list[dict]] = {which: [] for which in args.runs}
         for _ in range(args.rounds):
             for which in runs:
                 result = run_worker(__file__, which, str(data), str(args.steps))
                 runs[which].append(summarize(result, args.warmup))
+        for _ in range(args.rounds if args.competing else 0):
+            for which in shared:
+                spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", SPIN])
+                try:
+                    result = run_worker(__file__, which, str(data), str(args.steps))
+                finally:
+                    spinner.kill()
+                shared[which].append(summarize(result, args.warmup))
 
     best = {which: max(rs, key=lambda r: r["tokens_per_s"]) for which, rs in runs.items()}
     # The response share of the tokens and the causal contexts, from one of our runs (TRL's count
     # also has the newline after each answer's end-of-turn token).
     counted = next(r for which, r in best.items() if which in OURS)
-    gflops = sgemm_gflops()
     config = AutoConfig.from_pretrained(path)
+    tokens = int(counted["tokens_per_step"])
+    gflops = {bf16: gemm_gflops("bfloat16" if bf16 else "float32", tokens, config) for bf16 in (False, True)}
     per_token = flops_per_token(config, counted["response_fraction"], counted["mean_context"])
-    limit = gflops * 1e9 / per_token
+    limits = {bf16: rate * 1e9 / per_token for bf16, rate in gflops.items()}
     print(
-        f"sgemm {gflops:.0f} GFLOP/s; LoRA training {per_token / 1e6:.0f} MFLOP/token (mean causal "
-        f"context {counted['mean_context']:.0f}) -> FLOP limit {limit:.0f} tokens/s"
+        f"GEMMs at the step's shapes ({tokens} rows): fp32 {gflops[False]:.0f}, bf16 {gflops[True]:.0f} "
+        f"GFLOP/s; LoRA training {per_token / 1e6:.0f} MFLOP/token (mean causal context "
+        f"{counted['mean_context']:.0f}) -> FLOP limit fp32 {limits[False]:.0f}, "
+        f"bf16 {limits[True]:.0f} tokens/s"
     )
-    print_report(best, limit)
+    print_report(best, limits)
+    if args.competing:
+        print("beside one busy process at nice 19 (tokens/s, and the share of the speed alone kept):")
+        for which, rs in shared.items():
+            speed = max(r["tokens_per_s"] for r in rs)
+            print(f"{which:>10} {speed:>7.1f} ({speed / best[which]['tokens_per_s']:.0%})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
-        json.dumps({"runs": runs, "sgemm_gflops": gflops, "flops_per_token": per_token}, indent=2)
+        json.dumps(
+            {"runs": runs, "competing": shared, "gemm_gflops": gflops, "flops_per_token": per_token}, indent=2
+        )
     )
     print(f"wrote {args.json}")
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_instruct.models import packing
+from lit_instruct.models.cpu_attention import packed_causal_attention
 from lit_instruct.models.packing import packed_attention, varlen_applies
 
 SEGMENTS = (0, 7, 10, 22, 23)
@@ -53,7 +54,7 @@ def qkv(dtype=torch.bfloat16):
 def cpu_varlen(monkeypatch):
     monkeypatch.setattr(packing, "VARLEN_DEVICES", {"cpu"})
     monkeypatch.setattr(packing, "_VARLEN_CHECKED", {})
-    monkeypatch.setattr(packing, "varlen_attention", lambda: reference_varlen)
+    monkeypatch.setattr(packing, "varlen_kernel", lambda device: reference_varlen)
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 100])
@@ -76,7 +77,7 @@ def test_a_kernel_that_disagrees_falls_back_to_the_loop_with_a_warning(cpu_varle
         left, right = window_size
         return reference_varlen(*args, window_size=(left + 1, right), **kwargs)
 
-    monkeypatch.setattr(packing, "varlen_attention", lambda: off_by_one)
+    monkeypatch.setattr(packing, "varlen_kernel", lambda device: off_by_one)
     query, key, value = qkv()
     attend = packed_attention("sdpa")
     with pytest.warns(UserWarning, match="differs from the per-sample loop"):
@@ -88,19 +89,16 @@ def test_a_kernel_that_disagrees_falls_back_to_the_loop_with_a_warning(cpu_varle
     assert torch.equal(out, loop) and torch.equal(again, loop)
 
 
-def test_varlen_only_where_it_reproduces_the_layer() -> None:
+def test_varlen_only_where_it_reproduces_the_layer(monkeypatch) -> None:
     cpu, half = torch.zeros(1, dtype=torch.bfloat16), {"scaling": 0.1, "sliding_window": None}
+    assert varlen_applies(cpu, half)
+    assert not varlen_applies(cpu.float(), half)  # fp16/bf16 only: fp32 keeps SDPA's loop
+    assert not varlen_applies(cpu, {**half, "dropout": 0.1})
+    assert not varlen_applies(cpu, {**half, "softcap": 50.0})  # Gemma 2: the loop keeps it
+    assert not varlen_applies(cpu, {**half, "s_aux": torch.zeros(1)})  # attention sinks
+    assert varlen_applies(cpu, {**half, "softcap": None, "dropout": 0.0})
+    monkeypatch.setattr(packing, "VARLEN_DEVICES", {"cuda"})
     assert not varlen_applies(cpu, half)  # no kernel on this device
-    packing.VARLEN_DEVICES.add("cpu")
-    try:
-        assert varlen_applies(cpu, half)
-        assert not varlen_applies(cpu.float(), half)  # flash attention: fp16/bf16 only
-        assert not varlen_applies(cpu, {**half, "dropout": 0.1})
-        assert not varlen_applies(cpu, {**half, "softcap": 50.0})  # Gemma 2: the loop keeps it
-        assert not varlen_applies(cpu, {**half, "s_aux": torch.zeros(1)})  # attention sinks
-        assert varlen_applies(cpu, {**half, "softcap": None, "dropout": 0.0})
-    finally:
-        packing.VARLEN_DEVICES.discard("cpu")
 
 
 @pytest.mark.parametrize("window", [None, 2, 5])
@@ -113,3 +111,50 @@ def test_the_varlen_arguments_are_exact_in_fp32(window) -> None:
         Layer(), query, key, value, None, packed_segments=SEGMENTS, scaling=0.3, sliding_window=window
     )
     torch.testing.assert_close(fast, loop, atol=1e-5, rtol=1e-5)
+
+
+# -- the CPU kernel (lit_instruct.models.cpu_attention) -------------------------------------------
+
+
+def _leaves(tensors, dtype):
+    return [t.detach().to(dtype).requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "window"), [(4, 2, None), (3, 3, None), (6, 2, 3), (4, 1, 100)]
+)
+def test_the_cpu_kernel_is_flash_attentions_contract(heads, kv_heads, window) -> None:
+    """Outputs and q/k/v gradients equal the reference contract's: exact in float64 (1e-12), and in
+    bf16 within 2e-2 of the float64 result (relative to each tensor's largest entry)."""
+    gen = torch.Generator().manual_seed(1)
+    total = SEGMENTS[-1]
+    q, k, v = (
+        torch.randn(total, h, 8, generator=gen, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)
+    )
+    grad = torch.randn(total, heads, 8, generator=gen, dtype=torch.float64)
+    cumulative = torch.tensor(SEGMENTS)
+    left = (-1 if window is None else window - 1, 0)
+    args = (cumulative, cumulative, 0, 0)
+    exact = _leaves((q, k, v), torch.float64)
+    expected = reference_varlen(*exact, *args, scale=0.3, window_size=left, enable_gqa=True)
+    expected_grads = torch.autograd.grad(expected, exact, grad)
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.bfloat16, 2e-2)):
+        leaves = _leaves((q, k, v), dtype)
+        out = packed_causal_attention(*leaves, *args, scale=0.3, window_size=left, enable_gqa=True)
+        grads = torch.autograd.grad(out, leaves, grad.to(dtype))
+        for ours, theirs in zip((out, *grads), (expected.detach(), *expected_grads), strict=True):
+            assert ours.dtype == dtype
+            scale = float(theirs.abs().max())
+            torch.testing.assert_close(ours.double(), theirs, rtol=0, atol=tolerance * scale)
+
+
+def test_packed_bf16_attention_on_cpu_runs_the_kernel_after_its_check(monkeypatch) -> None:
+    monkeypatch.setattr(packing, "_VARLEN_CHECKED", {})
+    query, key, value = qkv(torch.bfloat16)
+    out, _ = packed_attention("sdpa")(Layer(), query, key, value, None, packed_segments=SEGMENTS, scaling=0.3)
+    assert list(packing._VARLEN_CHECKED.values()) == [True]
+    monkeypatch.setattr(packing, "VARLEN_DEVICES", set())
+    loop, _ = packed_attention("sdpa")(
+        Layer(), query, key, value, None, packed_segments=SEGMENTS, scaling=0.3
+    )
+    torch.testing.assert_close(out.float(), loop.float(), rtol=0, atol=2e-2 * float(loop.float().abs().max()))

@@ -8,10 +8,12 @@ layer's sliding window), and with everything else the layer passes (scaling, sof
 so no FLOP or byte is spent on attention across samples (a block-diagonal mask would cost the square
 of the whole row). Unpacked batches go straight to the model's attention function.
 
-On CUDA in fp16/bf16, SDPA models whose layers pass nothing but scaling, dropout 0 and a sliding window
-run all samples in one variable-length flash-attention call (``torch.nn.attention.varlen``) instead of
-one call per sample; the first such call for each configuration is checked against the per-sample
-loop, and a mismatch falls back to the loop with a warning.
+In fp16/bf16, SDPA models whose layers pass nothing but scaling, dropout 0 and a sliding window run
+all samples in one variable-length call instead of one SDPA call per sample: flash attention's
+(``torch.nn.attention.varlen``) on CUDA, :mod:`lit_instruct.models.cpu_attention` on CPU (bf16
+GEMMs, where the CPU SDPA kernel runs bf16 at fp32's speed). The first such call for each
+configuration is checked against the per-sample loop, and a mismatch falls back to the loop with a
+warning.
 """
 
 from __future__ import annotations
@@ -84,13 +86,20 @@ def sample_mask(
     return blocked[None, None]
 
 
-VARLEN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "position_ids"})
-"""The attention kwargs the varlen path reproduces (dropout only at 0); any other one that is set
-(soft-capping, sinks, ...) keeps the per-sample loop."""
+VARLEN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "is_causal", "position_ids", "use_cache"})
+"""The attention kwargs the varlen path reproduces (dropout only at 0; ``use_cache`` is the caller's
+and does not change attention); any other one that is set (soft-capping, sinks, ...) keeps the
+per-sample loop."""
 
 
-def varlen_attention() -> Callable[..., Any] | None:
-    """``torch.nn.attention.varlen.varlen_attn`` where this torch has it (flash attention, CUDA)."""
+def varlen_kernel(device_type: str) -> Callable[..., Any] | None:
+    """The variable-length attention for ``device_type``: ``torch.nn.attention.varlen.varlen_attn``
+    on CUDA where this torch has it, :func:`~lit_instruct.models.cpu_attention.packed_causal_attention`
+    on CPU."""
+    if device_type == "cpu":
+        from lit_instruct.models.cpu_attention import packed_causal_attention
+
+        return packed_causal_attention
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -98,8 +107,8 @@ def varlen_attention() -> Callable[..., Any] | None:
     return varlen_attn
 
 
-VARLEN_DEVICES = {"cuda"}
-"""Device types with a varlen kernel (the tests add ``cpu`` with a reference kernel)."""
+VARLEN_DEVICES = {"cuda", "cpu"}
+"""Device types with a varlen kernel."""
 
 
 def varlen_applies(query: torch.Tensor, kwargs: dict[str, Any]) -> bool:
@@ -182,7 +191,7 @@ def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tens
                 outputs.append(function(module, q, k, v, mask, **causal, **kwargs)[0])
             return torch.cat(outputs, dim=1)  # (1, T, heads, head_dim)
 
-        kernel = varlen_attention()
+        kernel = varlen_kernel(query.device.type)
         if additive or kernel is None or not varlen_applies(query, kwargs):
             return per_sample(), None
         config = (window, query.dtype, query.shape[1], key.shape[1], query.shape[-1])
