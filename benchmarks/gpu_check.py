@@ -5,7 +5,12 @@
 Part 1 (CPU and GPU): the fused loss (torch and Triton backends) and the Triton kernel against float64
 at the vocabulary sizes of SmolLM2 / Llama 3 / Qwen2 / Gemma (49152, 128256, 151936, 256000), in fp32,
 bf16 and fp16, with the label V-1 and a chunk whose rows are all ignored. On CPU the kernel runs
-under ``TRITON_INTERPRET=1`` (few rows). Parts that need CUDA print why they were skipped.
+under ``TRITON_INTERPRET=1`` (few rows). Part 2 (GPU): timings against naive / Liger / Cut
+Cross-Entropy, a chunk over 2^31 logits, packed varlen attention, a tiny MoE with LoRA on its expert
+weights under bf16 (loss equal to the model's own), and the shipped configs trained a few steps on the
+GPU (``precision: auto`` must pick bf16 from compute capability 8.0; packed fused_ce with and without
+NF4; DoRA + LoRA+; base-to-chat growing the vocabulary), the bf16-trained adapter then exported as one
+GGUF file and as a GGUF LoRA. Parts that need CUDA print why they were skipped.
 Prints one table; exits 1 if any check fails. ``benchmarks/gpu_check.sh`` installs, runs the
 CUDA-relevant tests, then this.
 """
@@ -191,34 +196,112 @@ def attention_timings() -> tuple[list[str], bool]:
     return lines, error < 2e-2
 
 
-def training(nf4: bool) -> tuple[str, bool]:
-    """15 steps of the bundled model: fused_ce + bf16-mixed + packing (+ NF4), through the CLI."""
+def _fit(name: str, config: str, root: str, steps: int, *extra: str) -> tuple[str, bool, str]:
+    """``lit-instruct fit`` of ``config`` on the GPU for ``steps`` steps into ``root``; (line, ok, stderr)."""
     import subprocess
-    import tempfile
     import time
 
-    with tempfile.TemporaryDirectory() as root:
-        command = [sys.executable, "-m", "lit_instruct", "fit", "--config", "configs/quickstart.yaml"]
-        command += ["--trainer.accelerator", "gpu", "--trainer.precision", "bf16-mixed"]
-        command += ["--trainer.strategy", "fused_ce", "--data.packing", "true", "--trainer.max_steps", "15"]
-        command += [
-            "--trainer.logger",
-            "false",
-            "--trainer.default_root_dir",
-            root,
-            "--validate_before_fit",
-            "false",
-        ]
-        command += ["--trainer.val_check_interval", "15", "--trainer.callbacks", "null"]
-        if nf4:
-            command += ["--model.quantization.method", "nf4"]
-        started = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        seconds = time.perf_counter() - started
+    command = [
+        sys.executable,
+        "-m",
+        "lit_instruct",
+        "fit",
+        "--config",
+        config,
+        "--trainer.accelerator",
+        "gpu",
+    ]
+    command += ["--trainer.max_steps", str(steps), "--trainer.val_check_interval", str(steps)]
+    command += [
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        root,
+        "--validate_before_fit",
+        "false",
+    ]
+    command += ["--trainer.callbacks", "null", "--model.adapter_dir", f"{root}/adapter", *extra]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
     ok = done.returncode == 0 and "fit done" in done.stderr
     last = (done.stderr.strip().splitlines() or [""])[-1][:200]
-    what = f"train 15 steps {'NF4 ' if nf4 else ''}bf16 packed fused_ce: rc={done.returncode} {seconds:.0f} s"
-    return what + ("" if ok else f" | {last}"), ok
+    return f"{name}: rc={done.returncode} {seconds:.0f} s" + ("" if ok else f" | {last}"), ok, done.stderr
+
+
+def training(root: str) -> list[tuple[str, bool]]:
+    """The shipped configs on the GPU, a few steps each: ``precision: auto`` must choose bf16 on
+    compute capability >= 8 (and say so), packed fused_ce with and without NF4, DoRA + LoRA+, the
+    base-to-chat run that grows the vocabulary; then GGUF exports of the bf16-trained adapter."""
+    import subprocess
+
+    checks = []
+    line, ok, err = _fit(
+        "quickstart, precision auto, packed",
+        "configs/quickstart.yaml",
+        f"{root}/q",
+        15,
+        "--data.packing",
+        "true",
+    )
+    native = torch.cuda.get_device_capability() >= (8, 0)
+    chose = ("precision: bf16-mixed" if native else "precision: 32-true") in err
+    checks.append((f"{line}; auto chose {'bf16' if native else 'fp32'}", ok and chose))
+    line, ok, _ = _fit(
+        "NF4 packed fused_ce",
+        "configs/quickstart.yaml",
+        f"{root}/nf4",
+        10,
+        "--data.packing",
+        "true",
+        "--model.quantization.method",
+        "nf4",
+    )
+    checks.append((line, ok))
+    dora = ("--data.train_files", "[examples/data/alpaca_sample.jsonl]")
+    checks.append(_fit("DoRA + LoRA+", "configs/dora.yaml", f"{root}/dora", 6, *dora)[:2])
+    checks.append(_fit("base-to-chat (new tokens)", "configs/base-to-chat.yaml", f"{root}/b2c", 6)[:2])
+    for flag, out in (("--gguf", f"{root}/q.gguf"), ("--gguf-adapter", f"{root}/q-lora.gguf")):
+        command = [
+            sys.executable,
+            "-m",
+            "lit_instruct",
+            "export",
+            "--adapter",
+            f"{root}/q/adapter",
+            "--out",
+            out,
+            flag,
+        ]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        checks.append(
+            (f"export {flag} of the GPU-trained adapter: rc={done.returncode}", done.returncode == 0)
+        )
+    return checks
+
+
+def moe_by_weight() -> tuple[str, bool]:
+    """A tiny Qwen3-MoE on the GPU under bf16 autocast, LoRA on its expert weights (by weight): the
+    step's loss equals the model's own ``forward(labels=...)`` under the same autocast (2e-2)."""
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lit_instruct.data.collate import PadCollator
+    from lit_instruct.models.lora import LoRAConfig
+    from lit_instruct.train.module import InstructLoRAModule
+    from tests.families import build_family
+    from tests.test_families import VOCAB, our_loss, own_loss, samples
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = build_family("qwen3_moe", VOCAB, Path(folder) / "moe")
+        module = InstructLoRAModule(model=str(path), lora=LoRAConfig(r=4, alpha=8), dtype="bfloat16").cuda()
+    experts = module.model.lora_coverage.line()
+    batch = {k: v.cuda() for k, v in PadCollator(0)(samples()).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours, theirs = float(our_loss(module, batch)), float(own_loss(module, batch))
+    ok = abs(ours - theirs) <= 2e-2 * abs(theirs) and "expert weights" in experts
+    return f"MoE by weight on CUDA bf16: loss {ours:.4f} vs own {theirs:.4f}; {experts}", ok
 
 
 def main() -> int:
@@ -230,13 +313,19 @@ def main() -> int:
     passed = all(r[-1] for r in results)
     if device != "cuda":
         print("skipped (no CUDA device): timings against naive / Liger / Cut Cross-Entropy, a chunk over")
-        print("2^31 logits, packed attention timings, 15 training steps with and without NF4")
+        print(
+            "2^31 logits, packed attention timings, the shipped configs trained and exported, MoE by weight"
+        )
         return 0 if passed else 1
     print("\n".join(loss_timings()))
     checks = [big_chunk()]
     lines, ok = attention_timings()
     print("\n".join(lines))
-    checks += [("packed attention: varlen equals the per-sample loop", ok), training(False), training(True)]
+    checks += [("packed attention: varlen equals the per-sample loop", ok), moe_by_weight()]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        checks += training(root)
     for line, ok in checks:
         print(f"{line}  {'yes' if ok else 'NO'}")
     return 0 if passed and all(ok for _, ok in checks) else 1

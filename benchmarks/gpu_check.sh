@@ -11,5 +11,5 @@ if command -v nvidia-smi > /dev/null; then  # the peers timed against (best effo
   "$py" -m pip install --quiet --no-deps 'cut-cross-entropy>=25.1' || echo "cut-cross-entropy not installed"
 fi
 "$py" -m pytest -q tests/test_fused_loss.py tests/test_fused_dtypes.py tests/test_varlen.py tests/test_packing.py \
-  tests/test_qlora.py tests/test_strategy.py
+  tests/test_qlora.py tests/test_strategy.py tests/test_bf16.py tests/test_lora_variants.py tests/test_base_to_chat.py
 "$py" benchmarks/gpu_check.py

@@ -27,6 +27,7 @@ _EXPORTS = {
     "FusedLinearCrossEntropy": "lit_instruct.loss.fused",
     "InstructDataModule": "lit_instruct.data.datamodule",
     "InstructLoRAModule": "lit_instruct.train.module",
+    "InstructTrainer": "lit_instruct.train.trainer",
     "LoRAConfig": "lit_instruct.models.lora",
     "fused_linear_cross_entropy": "lit_instruct.loss.fused",
 }
@@ -39,6 +40,7 @@ __all__ = [
     "FusedLinearCrossEntropy",
     "InstructDataModule",
     "InstructLoRAModule",
+    "InstructTrainer",
     "LoRAConfig",
     "__version__",
     "fused_linear_cross_entropy",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
     from lit_instruct.models.lora import LoRAConfig
     from lit_instruct.train.module import InstructLoRAModule
+    from lit_instruct.train.trainer import InstructTrainer
     from lit_instruct.train.strategy import (
         FusedCEDDPStrategy,
         FusedCEFSDPStrategy,
