@@ -63,7 +63,8 @@ TRL = {
     "trl-gc": {"gradient_checkpointing": True},
 }
 SPIN = "while True: pass"
-"""The competing process: one busy thread at ``nice 19``."""
+"""The competing process: one busy thread at ``nice 19`` in a session of its own, as another login's
+job would be (``nice`` orders processes within a session's scheduler group, not across groups)."""
 
 
 def instruction_records(
@@ -375,7 +376,9 @@ def main() -> None:
                 runs[which].append(summarize(result, args.warmup))
         for _ in range(args.rounds if args.competing else 0):
             for which in shared:
-                spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", SPIN])
+                spinner = subprocess.Popen(
+                    ["nice", "-n", "19", sys.executable, "-c", SPIN], start_new_session=True
+                )
                 try:
                     result = run_worker(__file__, which, str(data), str(args.steps))
                 finally:

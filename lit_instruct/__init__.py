@@ -52,12 +52,12 @@ if TYPE_CHECKING:
     from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
     from lit_instruct.models.lora import LoRAConfig
     from lit_instruct.train.module import InstructLoRAModule
-    from lit_instruct.train.trainer import InstructTrainer
     from lit_instruct.train.strategy import (
         FusedCEDDPStrategy,
         FusedCEFSDPStrategy,
         FusedCESingleDeviceStrategy,
     )
+    from lit_instruct.train.trainer import InstructTrainer
 
 
 def __getattr__(name: str) -> Any:

@@ -35,6 +35,7 @@ from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
 from lit_instruct.train.resume import resumed_entry
 from lit_instruct.train.rng_states import RestoreRNGStates
+from lit_instruct.train.threads import ThreadBudget
 from lit_instruct.train.throughput import TokensPerSecond
 from lit_instruct.train.window import TokenWindow, gradient_factor, scale_gradients
 from lit_instruct.vocabulary import base_tokenizer
@@ -339,9 +340,9 @@ class InstructLoRAModule(L.LightningModule):
         self._sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Throughput, RNG states for exact resumes, and the fit report (replacing any the Trainer
-        was given of the same types)."""
-        return [TokensPerSecond(), RestoreRNGStates(), FitReport()]
+        """Throughput, RNG states for exact resumes, the fit report, and on CPU the threads following
+        the cores other processes leave free (replacing any the Trainer was given of the same types)."""
+        return [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget()]
 
     # -- steps ----------------------------------------------------------------------------------
 
