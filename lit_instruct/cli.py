@@ -7,9 +7,11 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -110,6 +112,32 @@ class InstructCLI(LightningCLI):
         if model.get("dtype") == AUTO:
             model["dtype"] = base_dtype(AUTO, trainer.get("precision"))
 
+    def follow_root_dir(self) -> None:
+        """A ``trainer.default_root_dir`` set over the config file's holds everything the run writes:
+        the loggers' ``save_dir`` and the callbacks' ``dirpath`` that the file put under its own root
+        move under the new one (``runs/quickstart/x`` -> ``DIR/x``)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        root = config["trainer"].get("default_root_dir")
+        file_root = None
+        for path in config.get("config") or []:
+            text = Path(getattr(path, "absolute", str(path))).read_text(encoding="utf-8")
+            trainer = (yaml.safe_load(text) or {}).get("trainer") or {}
+            file_root = trainer.get("default_root_dir", file_root)
+        if root is None or file_root is None or Path(root) == Path(file_root):
+            return
+        entries = []
+        for key in ("logger", "callbacks"):
+            value = config["trainer"].get(key)
+            entries += value if isinstance(value, list) else [value]
+        for entry in entries:
+            init = getattr(entry, "init_args", None)
+            if init is None:
+                continue
+            for key in ("save_dir", "dirpath"):
+                value = init.get(key)
+                if isinstance(value, str) and Path(file_root) in (Path(value), *Path(value).parents):
+                    init[key] = str(Path(root) / Path(value).relative_to(file_root))
+
     def _parse_ckpt_path(self) -> None:
         """Lightning brings a checkpoint's hyperparameters back over the config; those that say how
         this launch's ranks load the model (:data:`LAUNCH_SETTINGS`) stay as this launch sets them,
@@ -133,6 +161,7 @@ class InstructCLI(LightningCLI):
         read it from the cache or in their own setup), then the model, the datamodule (handed the
         checked samples) and the Trainer."""
         self.resolve_auto()
+        self.follow_root_dir()
         self.model_plan = check_config(self.subcommand_config())
         checked = None
         if self.subcommand == "fit" and launched_rank() == 0:
@@ -209,6 +238,7 @@ class CheckCLI(InstructCLI):
 
     def instantiate_classes(self) -> None:
         self.resolve_auto()
+        self.follow_root_dir()
         self.model_plan = check_config(self.subcommand_config())
         self.datamodule = self.data_module()
 
@@ -336,6 +366,8 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--chat-template", help=TEMPLATE_HELP)
     args = parser.parse_args(argv)
     check_paths(args)
+    if (args.gguf or args.gguf_adapter) and not args.out.endswith(".gguf"):
+        args.out += ".gguf"  # a GGUF file is known by its suffix (llama.cpp, Ollama, LM Studio)
     if args.gguf_adapter:
         from lit_instruct.export.gguf_lora import write_lora_gguf
 

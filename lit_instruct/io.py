@@ -24,7 +24,7 @@ def atomic_directory(target: str | Path, replace: bool = True) -> Iterator[Path]
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         yield staging
-        staging.chmod(0o755)
+        _as_umask_allows(staging)
         if not replace:
             try:
                 staging.rename(target)
@@ -46,6 +46,23 @@ def atomic_directory(target: str | Path, replace: bool = True) -> Iterator[Path]
         raise
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _as_umask_allows(folder: Path) -> None:
+    """Modes as a plain write would give them (0644 / 0755 under umask 022): staging folders and
+    temporary files are created private (0700 / 0600), and safetensors writes 0600, so a serving
+    process under another user could not read an adapter."""
+    mask = _umask()
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        executable = path.is_dir() or path.stat().st_mode & 0o111
+        path.chmod((0o777 if executable else 0o666) & ~mask)
+
+
 def write_atomically(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it: never a half-written page."""
     target = Path(path)
@@ -53,6 +70,7 @@ def write_atomically(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
+        os.chmod(temporary, 0o666 & ~_umask())
         os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

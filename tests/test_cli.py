@@ -168,3 +168,31 @@ def test_fit_checks_the_data_before_loading_the_model(tiny_model_dir: Path, tmp_
     err = capsys.readouterr().err
     assert f"lit-instruct: data error: {bad}:1: field 'messages[1].content' (assistant) is empty" in err
     assert "Traceback" not in err
+
+
+def test_a_root_folder_from_the_command_line_holds_what_the_run_writes(tmp_path: Path) -> None:
+    """The shipped configs put their loggers (and fixed checkpoint folders) under their own root:
+    ``--trainer.default_root_dir DIR`` moves them under DIR; one path is a list of one file."""
+    from lit_instruct.cli import CheckCLI
+
+    data = Path(__file__).parents[1] / "examples/data/alpaca_sample.jsonl"
+    for config, moved in (
+        ("quickstart", ["save_dir", "save_dir"]),
+        ("ddp", ["save_dir", "save_dir", "dirpath"]),
+    ):
+        args = [
+            "--config",
+            f"configs/{config}.yaml",
+            "--trainer.default_root_dir",
+            str(tmp_path / "elsewhere"),
+        ]
+        cli = CheckCLI(args=[*args, "--data.train_files", str(data)], run=False)
+        trainer = cli.subcommand_config()["trainer"]
+        folders = [
+            entry["init_args"][key]
+            for entry in [*trainer["logger"], *trainer["callbacks"]]
+            for key in ("save_dir", "dirpath")
+            if entry["init_args"].get(key)
+        ]
+        assert len(folders) == len(moved) and all(f.startswith(str(tmp_path / "elsewhere")) for f in folders)
+        assert [s.path for s in cli.datamodule.sources] == [str(data)]

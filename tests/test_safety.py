@@ -130,3 +130,32 @@ def test_ctrl_c_during_fit_saves_a_loadable_checkpoint_and_the_adapter(
     for name, value in state["state_dict"].items():  # the adapter is the checkpoint's weights
         key = name.removeprefix("model.").replace(".default.weight", ".weight")
         assert torch.equal(adapter.state_dict()[key.replace(".weight", ".default.weight")], value)
+
+
+def test_written_files_get_the_modes_the_umask_gives(tmp_path) -> None:
+    """Staging folders, temporary files and safetensors are private when created: what lands is
+    readable as a plain write would be (0644 / 0755 under umask 022), executables stay executable."""
+    import os
+    import stat
+
+    from safetensors.torch import save_file
+
+    from lit_instruct.io import atomic_directory, write_atomically
+
+    old = os.umask(0o022)
+    try:
+        with atomic_directory(tmp_path / "adapter") as staging:
+            save_file({"a": torch.zeros(2)}, str(staging / "adapter_model.safetensors"))
+            (staging / "run.sh").write_text("#!/bin/sh\n")
+            (staging / "run.sh").chmod(0o700)
+        write_atomically(tmp_path / "report.html", "<p>ok</p>")
+    finally:
+        os.umask(old)
+
+    def mode(path):
+        return stat.S_IMODE(path.stat().st_mode)
+
+    assert mode(tmp_path / "adapter") == 0o755
+    assert mode(tmp_path / "adapter" / "adapter_model.safetensors") == 0o644
+    assert mode(tmp_path / "adapter" / "run.sh") == 0o755
+    assert mode(tmp_path / "report.html") == 0o644

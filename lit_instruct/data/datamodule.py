@@ -118,8 +118,8 @@ class InstructDataModule(L.LightningDataModule):
         self,
         tokenizer: str = "smollm2-135m-instruct",
         sources: list[DataSource] | None = None,
-        train_files: list[str] | None = None,
-        val_files: list[str] | None = None,
+        train_files: list[str] | str | None = None,
+        val_files: list[str] | str | None = None,
         val_sources: list[DataSource] | None = None,
         chatterbot_categories: list[str] | None = None,
         format: RecordFormat = "auto",
@@ -149,6 +149,8 @@ class InstructDataModule(L.LightningDataModule):
         new_tokens: NewTokens = "auto",
     ) -> None:
         super().__init__()
+        train_files = [train_files] if isinstance(train_files, str) else train_files  # one path: [path]
+        val_files = [val_files] if isinstance(val_files, str) else val_files
         self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in sources or []]
         self.sources += unique_names(
             [DataSource(path, format=format) for path in train_files or []], self.sources

@@ -6,6 +6,7 @@ Installed by :class:`~lit_instruct.train.module.InstructLoRAModule` itself (``co
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,27 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
     if adapter is not None:
         lines.append(f"  adapter: {adapter}")
         lines.append(
-            f'  try it:  lit-instruct generate --adapter {adapter} --prompt "Hello! What can you do?"'
+            f'  try it:  {command_as_typed()} generate --adapter {adapter} --prompt "Hello! What can you do?"'
         )
     return "\n".join(lines)
+
+
+def command_as_typed() -> str:
+    """``lit-instruct`` where a new shell finds this installation's command on ``PATH``, else its path
+    in the environment it runs from (after ``make demo``: ``.venv/bin/lit-instruct``)."""
+    import shutil
+    import sys
+
+    installed = Path(sys.executable).parent / "lit-instruct"
+    found = shutil.which("lit-instruct", path=os.environ.get("PATH", ""))
+    if found is not None and (not installed.exists() or Path(found).resolve() == installed.resolve()):
+        return "lit-instruct"
+    if installed.exists():
+        try:
+            return str(installed.relative_to(Path.cwd()))
+        except ValueError:
+            return str(installed)
+    return f"{sys.executable} -m lit_instruct"
 
 
 class FitReport(L.Callback):
