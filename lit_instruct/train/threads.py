@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 PROC_STAT = Path("/proc/stat")
-FIRST_LOOK_S = 0.3
+FIRST_LOOK_S = 0.1
 """How long the first look at the machine lasts, before the first step."""
 HEADROOM = 0.3
 """Cores counted free when the rest of the machine leaves at least ``1 - HEADROOM`` of them."""
