@@ -99,11 +99,22 @@ class InstructCLI(LightningCLI):
         )
         parser.set_defaults({"model.dtype": AUTO})
 
+    def parsed(self) -> Namespace:
+        """The parsed config of the subcommand being run (changes to it reach what is instantiated)."""
+        return self.config[self.subcommand] if self.subcommand else self.config
+
+    def checked_config(self) -> None:
+        """The parsed config completed (``auto`` resolved, the root folder followed), then checked
+        before any weight is read (:func:`~lit_instruct.preflight.check_config`)."""
+        self.resolve_auto()
+        self.follow_root_dir()
+        self.model_plan = check_config(self.subcommand_config())
+
     def resolve_auto(self) -> None:
         """``trainer.precision: auto`` and ``model.dtype: auto`` replaced in the parsed config by what
         they resolve to on this machine (:mod:`lit_instruct.precision`), said once; the saved
         ``config.yaml`` then records the choice."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
+        config = self.parsed()
         trainer, model = config["trainer"], config["model"]
         if trainer.get("precision") == AUTO:
             choice = auto_precision(trainer.get("accelerator", AUTO))
@@ -116,7 +127,7 @@ class InstructCLI(LightningCLI):
         """A ``trainer.default_root_dir`` set over the config file's holds everything the run writes:
         the loggers' ``save_dir`` and the callbacks' ``dirpath`` that the file put under its own root
         move under the new one (``runs/quickstart/x`` -> ``DIR/x``)."""
-        config = self.config[self.subcommand] if self.subcommand else self.config
+        config = self.parsed()
         root = config["trainer"].get("default_root_dir")
         file_root = None
         for path in config.get("config") or []:
@@ -153,16 +164,14 @@ class InstructCLI(LightningCLI):
 
     def subcommand_config(self) -> dict[str, Any]:
         """The parsed config of the subcommand being run, as plain data."""
-        return (self.config[self.subcommand] if self.subcommand else self.config).as_dict()
+        return self.parsed().as_dict()
 
     def instantiate_classes(self) -> None:
         """The config checked (:mod:`lit_instruct.preflight`: values, pairs of settings, the model's
         structure on its skeleton, no weights), the data (on the launching process: the other ranks
         read it from the cache or in their own setup), then the model, the datamodule (handed the
         checked samples) and the Trainer."""
-        self.resolve_auto()
-        self.follow_root_dir()
-        self.model_plan = check_config(self.subcommand_config())
+        self.checked_config()
         checked = None
         if self.subcommand == "fit" and launched_rank() == 0:
             checked = self.data_module()
@@ -237,9 +246,7 @@ class CheckCLI(InstructCLI):
     weights read: what ``lit-instruct check`` prints its plan from."""
 
     def instantiate_classes(self) -> None:
-        self.resolve_auto()
-        self.follow_root_dir()
-        self.model_plan = check_config(self.subcommand_config())
+        self.checked_config()
         self.datamodule = self.data_module()
 
 

@@ -31,9 +31,12 @@ class PrecisionChoice:
 
     precision: str
     """The Trainer's precision: ``bf16-mixed`` or ``32-true``."""
-    dtype: str
-    """The frozen base weights' dtype that goes with it: ``bfloat16`` or ``float32``."""
     reason: str
+
+    @property
+    def dtype(self) -> str:
+        """The frozen base weights' dtype that goes with it: ``bfloat16`` or ``float32``."""
+        return base_dtype(AUTO, self.precision)
 
     def line(self) -> str:
         return f"precision: {self.precision}, base weights {self.dtype} (auto: {self.reason})"
@@ -88,9 +91,9 @@ def auto_precision(accelerator: object = AUTO) -> PrecisionChoice:
     """``precision: auto`` for ``accelerator``: ``bf16-mixed`` where bf16 is native, else ``32-true``."""
     device = training_device(accelerator)
     if device == "cuda" and not torch.cuda.is_available():
-        return PrecisionChoice("32-true", "float32", "no CUDA device is visible")
+        return PrecisionChoice("32-true", "no CUDA device is visible")
     native, reason = cuda_bf16() if device == "cuda" else cpu_bf16()
-    return PrecisionChoice(*(("bf16-mixed", "bfloat16") if native else ("32-true", "float32")), reason)
+    return PrecisionChoice("bf16-mixed" if native else "32-true", reason)
 
 
 def is_bf16(precision: object) -> bool:
