@@ -3,7 +3,7 @@
 # `make test-fast`: the edit-test loop: lint and the tests not marked slow or e2e (about a minute).
 # `make test-latest`: the suite in a throwaway venv with the newest releases pyproject.toml allows.
 # `make lock`: `make test-latest`, then its versions become the lock (constraints.txt).
-# `make matrix`: rewrite the README's model support matrix from what each family's build finds.
+# `make matrix`: rewrite the model support matrix in docs/models.md from what each family's build finds.
 #
 # Everything runs in a virtual environment ($(VENV), made from $(PYTHON)) installed from the lock:
 # the versions the suite passed with. `LOCK=` installs the newest releases in pyproject's ranges.

@@ -1,4 +1,4 @@
-"""Base-model memory per rank: 1 process, 2-process DDP and 2-process FSDP (``fused_ce_fsdp``), with
+"""Base-model memory per rank: 1 process, 2-process DDP and 2-process FSDP (``fsdp_lora``), with
 and without an NF4 base, on a random-weight Llama-architecture model of ~0.5B parameters (fp32).
 
     python benchmarks/fsdp_memory.py [--dir /tmp/lit-instruct-fsdp-bench] [--steps 3]
@@ -40,7 +40,7 @@ def build_model(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from lit_instruct.models.load import resolve_model_path
+    from lit_instruct.model_names import resolve_model_path
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG))
@@ -152,10 +152,10 @@ def main() -> None:
         runs = {
             "1 process": measure(args.dir / f"one-{nf4}", 1, "auto", nf4, **common),
             "2-process DDP": measure(args.dir / f"ddp-{nf4}", 2, "ddp", nf4, **common),
-            "2-process FSDP": measure(args.dir / f"fsdp-{nf4}", 2, "fused_ce_fsdp", nf4, **common),
+            "2-process FSDP": measure(args.dir / f"fsdp-{nf4}", 2, "fsdp_lora", nf4, **common),
         }
         if not nf4:  # a 4-bit base is quantized from its weights on every rank
-            low = measure(args.dir / "fsdp-low", 2, "fused_ce_fsdp", nf4, low_memory=True, **common)
+            low = measure(args.dir / "fsdp-low", 2, "fsdp_lora", nf4, low_memory=True, **common)
             runs["2-process FSDP, low_memory_load"] = low
         ddp_base = runs["2-process DDP"][0]["base_mib"]
         ddp_losses = runs["2-process DDP"][0]["losses"]

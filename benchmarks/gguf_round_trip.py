@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_instruct.export.gguf import write_gguf
-from lit_instruct.models.load import resolve_model_path
+from lit_instruct.model_names import resolve_model_path
 
 TEXT = "Hello! How are you today? I would like to hear a short story about a river and a mountain."
 

@@ -8,7 +8,7 @@ bf16 and fp16, with the label V-1 and a chunk whose rows are all ignored. On CPU
 under ``TRITON_INTERPRET=1`` (few rows). Part 2 (GPU): timings against naive / Liger / Cut
 Cross-Entropy, a chunk over 2^31 logits, packed varlen attention, a tiny MoE with LoRA on its expert
 weights under bf16 (loss equal to the model's own), and the shipped configs trained a few steps on the
-GPU (``precision: auto`` must pick bf16 from compute capability 8.0; packed fused_ce with and without
+GPU (``precision: auto`` must pick bf16 from compute capability 8.0; packed one_device with and without
 NF4; DoRA + LoRA+; base-to-chat growing the vocabulary), the bf16-trained adapter then exported as one
 GGUF file and as a GGUF LoRA. Parts that need CUDA print why they were skipped.
 Prints one table; exits 1 if any check fails. ``benchmarks/gpu_check.sh`` installs, runs the
@@ -231,7 +231,7 @@ def _fit(name: str, config: str, root: str, steps: int, *extra: str) -> tuple[st
 
 def training(root: str) -> list[tuple[str, bool]]:
     """The shipped configs on the GPU, a few steps each: ``precision: auto`` must choose bf16 on
-    compute capability >= 8 (and say so), packed fused_ce with and without NF4, DoRA + LoRA+, the
+    compute capability >= 8 (and say so), packed one_device with and without NF4, DoRA + LoRA+, the
     base-to-chat run that grows the vocabulary; then GGUF exports of the bf16-trained adapter."""
     import subprocess
 
@@ -248,7 +248,7 @@ def training(root: str) -> list[tuple[str, bool]]:
     chose = ("precision: bf16-mixed" if native else "precision: 32-true") in err
     checks.append((f"{line}; auto chose {'bf16' if native else 'fp32'}", ok and chose))
     line, ok, _ = _fit(
-        "NF4 packed fused_ce",
+        "NF4 packed one_device",
         "configs/quickstart.yaml",
         f"{root}/nf4",
         10,

@@ -32,7 +32,7 @@ def prepare(folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lit_instruct.export.gguf import write_gguf
-    from lit_instruct.models import resolve_model_path
+    from lit_instruct.model_names import resolve_model_path
     from tests.test_gguf_reference import FAMILIES, tiny_model
 
     smollm2 = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m-instruct"))

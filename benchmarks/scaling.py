@@ -111,9 +111,9 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     base = None
     for label, devices, strategy in (
-        ("1 process", 1, "fused_ce"),
-        ("2-process DDP", 2, "fused_ce_ddp"),
-        ("2-process FSDP", 2, "fused_ce_fsdp"),
+        ("1 process", 1, "one_device"),
+        ("2-process DDP", 2, "ddp_lora"),
+        ("2-process FSDP", 2, "fsdp_lora"),
     ):
         out = args.dir / label.replace(" ", "-")
         out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def main() -> None:
         peaks = " / ".join(f"{r['peak_rss_mib']:.0f}" for r in ranks)
         shares = " / ".join(f"{r['collective_share']:.0%}" for r in ranks)
         if (
-            strategy == "fused_ce_ddp"
+            strategy == "ddp_lora"
         ):  # its all-reduce runs inside DDP's reducer, which the profiler does not see
             shares = "not profiled (DDP's reducer)"
         elif devices == 1:

@@ -43,7 +43,7 @@ def packed_batches(count: int, batch: int) -> list[dict]:
     from transformers import AutoTokenizer
     from vs_trl import instruction_records, packed_datamodule, write_jsonl
 
-    from lit_instruct.models import prepare_smollm2
+    from lit_instruct.model_names import prepare_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_smollm2())
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,7 +15,7 @@ The runs (``--runs``; every ratio is against ``trl-bf16``, else ``trl``, else 1.
   trl          TRL's fastest fp32 settings: bf16 and gradient checkpointing off
   trl-bf16     trl with ``bf16=True`` (TRL's own default; autocast over the fp32 model)
   trl-gc       TRL with its default gradient checkpointing
-  ours-eager   ``configs/lora.yaml``'s choices: fused CE (``fused_ce``), padding-free packing
+  ours-eager   ``configs/lora.yaml``'s choices: fused CE (``one_device``), padding-free packing
                (``data.packing``) and the fused LoRA layers (``model.fuse_lora``, the default)
   ours-peft    ours-eager on PEFT's own LoRA layers (``model.fuse_lora: false``)
   ours         ours-eager + ``model.compile_layers``
@@ -151,7 +151,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
         datamodule = packed_datamodule(data)
         trainer = InstructTrainer(
             accelerator="cpu",
-            strategy="fused_ce",
+            strategy="one_device",
             precision=precision,
             max_steps=steps,
             gradient_clip_val=1.0,
@@ -176,7 +176,7 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from lit_instruct.models import prepare_smollm2
+    from lit_instruct.model_names import prepare_smollm2
 
     path = prepare_smollm2()
     rows = [json.loads(line) for line in data.read_text().splitlines()]
@@ -358,7 +358,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from lit_instruct.data.sampler import InstructSampler
-    from lit_instruct.models import prepare_smollm2
+    from lit_instruct.model_names import prepare_smollm2
 
     path = prepare_smollm2()
     tokenizer = AutoTokenizer.from_pretrained(path)

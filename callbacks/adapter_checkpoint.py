@@ -19,7 +19,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lit_instruct.io import save_adapter
+from lit_instruct.adapter_folder import save_adapter
 
 SAVING_HOOKS = frozenset(
     {"on_train_batch_end", "on_train_epoch_end", "on_validation_end", "on_exception", "on_train_end"}

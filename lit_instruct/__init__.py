@@ -7,23 +7,19 @@ not pull in ``transformers`` and Lightning.
 from __future__ import annotations
 
 import importlib
-import logging
 from typing import TYPE_CHECKING, Any
+
+from lit_instruct.noise import silence_known_noise
 
 __version__ = "0.1.0"
 
-# peft imports bitsandbytes whenever it is installed, and on an AVX512-BF16 CPU bitsandbytes then says
-# it could not fetch a hub kernel for its repacked 4-bit CPU inference layout: a layout lit-instruct
-# switches off (lit_instruct.models.four_bit), so the notice is noise on every run, QLoRA or not.
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-    lambda record: "kernels-community" not in record.getMessage()
-)
+silence_known_noise()
 
 _EXPORTS = {
     "DataSource": "lit_instruct.data.sources",
-    "FusedCEDDPStrategy": "lit_instruct.train.strategy",
-    "FusedCEFSDPStrategy": "lit_instruct.train.strategy",
-    "FusedCESingleDeviceStrategy": "lit_instruct.train.strategy",
+    "LoRADDPStrategy": "lit_instruct.train.strategy",
+    "LoRAFSDPStrategy": "lit_instruct.train.strategy",
+    "OneDeviceStrategy": "lit_instruct.train.strategy",
     "FusedLinearCrossEntropy": "lit_instruct.loss.fused",
     "InstructDataModule": "lit_instruct.data.datamodule",
     "InstructLoRAModule": "lit_instruct.train.module",
@@ -34,14 +30,14 @@ _EXPORTS = {
 
 __all__ = [
     "DataSource",
-    "FusedCEDDPStrategy",
-    "FusedCEFSDPStrategy",
-    "FusedCESingleDeviceStrategy",
     "FusedLinearCrossEntropy",
     "InstructDataModule",
     "InstructLoRAModule",
     "InstructTrainer",
     "LoRAConfig",
+    "LoRADDPStrategy",
+    "LoRAFSDPStrategy",
+    "OneDeviceStrategy",
     "__version__",
     "fused_linear_cross_entropy",
 ]
@@ -53,9 +49,9 @@ if TYPE_CHECKING:
     from lit_instruct.models.lora import LoRAConfig
     from lit_instruct.train.module import InstructLoRAModule
     from lit_instruct.train.strategy import (
-        FusedCEDDPStrategy,
-        FusedCEFSDPStrategy,
-        FusedCESingleDeviceStrategy,
+        LoRADDPStrategy,
+        LoRAFSDPStrategy,
+        OneDeviceStrategy,
     )
     from lit_instruct.train.trainer import InstructTrainer
 

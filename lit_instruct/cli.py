@@ -22,7 +22,7 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError
-from lit_instruct.io import adapter_chat_template
+from lit_instruct.adapter_folder import adapter_chat_template
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
 from lit_instruct.preflight import check_config
@@ -312,7 +312,7 @@ def inspect_main(argv: list[str]) -> None:
 
 def prepare_main(argv: list[str]) -> None:
     """``lit-instruct prepare``: convert the bundled model(s) into the cache folder."""
-    from lit_instruct.models import BUNDLED_MODELS, SMOLLM2_NAME
+    from lit_instruct.model_names import BUNDLED_MODELS, SMOLLM2_NAME
 
     parser = argparse.ArgumentParser(prog="lit-instruct prepare", description=prepare_main.__doc__)
     parser.add_argument("--model", choices=sorted(BUNDLED_MODELS), default=SMOLLM2_NAME)
@@ -326,7 +326,7 @@ def check_paths(args: argparse.Namespace) -> None:
     """``--adapter``, ``--model`` / ``--base`` and ``--chat-template`` (a file's text, Jinja or a
     built-in name) of ``export``, ``generate``, ``eval`` and ``chat``, checked before anything loads
     (a mistake is one line, exit 2)."""
-    from lit_instruct.data.templates import template_text
+    from lit_instruct.templates import template_text
     from lit_instruct.preflight.adapter_fit import check_adapter_folder
     from lit_instruct.preflight.model_source import model_source
 

@@ -1,12 +1,12 @@
 """Where a run writes, and writes that never leave a half-written result: a folder or a file appears
-whole, or not at all; the adapter folder training writes (weights, config, chat template)."""
+whole, or not at all, with the modes the umask allows; tensors checked finite before they are written."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -86,54 +86,8 @@ def log_dir(trainer: Any) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-CHAT_TEMPLATE = "chat_template.jinja"
-"""The chat template an adapter was trained with, beside it (the name ``transformers`` uses)."""
-
-
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     """Raise if any tensor holds NaN or Inf, naming the first such tensor."""
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf; refusing to write it")
-
-
-def save_adapter(
-    peft_model: Any,
-    target: str | Path,
-    state_dict: dict[str, Any] | None = None,
-    chat_template: str | None = None,
-    tokenizer: Any = None,
-    convert: Callable[[Path], None] | None = None,
-) -> Path:
-    """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
-    ``state_dict`` when given (whole tensors gathered from a sharded model), the ``chat_template``
-    it was trained with (``chat_template.jinja``), which generation and export then use by default,
-    and a ``tokenizer`` grown by new tokens. ``convert`` rewrites the saved adapter in its folder
-    before it appears (a residual init's to plain LoRA)."""
-    from peft import get_peft_model_state_dict
-
-    check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
-    with atomic_directory(target) as staging:
-        # a grown vocabulary's rows are the adapter's own tensors: the loaders grow the base's rows, so
-        # peft need not add copies of the whole embedding and head
-        peft_model.save_pretrained(
-            staging, safe_serialization=True, state_dict=state_dict, save_embedding_layers=False
-        )
-        if convert is not None:
-            convert(staging)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)  # its own chat_template.jinja, replaced just below
-        if chat_template is not None:
-            (staging / CHAT_TEMPLATE).write_text(chat_template, encoding="utf-8")
-    return Path(target)
-
-
-def adapter_chat_template(adapter: str | Path | None, override: str | None = None) -> str | None:
-    """The chat template to use with ``adapter``: ``override`` when given, else the one saved with
-    the adapter at training (``None`` without either: the tokenizer's own then applies)."""
-    if override:
-        return override
-    path = Path(adapter) / CHAT_TEMPLATE if adapter else None
-    return path.read_text(encoding="utf-8") if path is not None and path.is_file() else None

@@ -20,7 +20,13 @@ INITS = ("default", "gaussian", "pissa", "pissa_niter_N", "olora", "eva", "loftq
 REFUSED_INITS = {
     "corda": "needs its own covariance pass with peft's preprocessing, which lit-instruct does not do yet",
 }
-FSDP_STRATEGIES = ("fused_ce_fsdp", "lit_instruct.train.strategy.FusedCEFSDPStrategy")
+FSDP_STRATEGIES = (
+    "fsdp_lora",
+    "fused_ce_fsdp",
+    "lit_instruct.train.strategy.LoRAFSDPStrategy",
+    "lit_instruct.train.strategy.FusedCEFSDPStrategy",
+)
+"""``fsdp_lora`` by its name, former name and class paths."""
 
 
 def is_residual_init(init: str) -> bool:
@@ -142,7 +148,7 @@ class Conflict:
     clash: Callable[[Any, Any], bool]
     reason: str
     example: tuple[Any, Any]
-    """Two values that clash (the tests walk the table with them; the README lists them)."""
+    """Two values that clash (the tests walk the table with them; docs/config.md lists them)."""
 
 
 def _decomposing(init: Any) -> bool:
@@ -150,7 +156,7 @@ def _decomposing(init: Any) -> bool:
 
 
 def _hybrid(strategy: Any) -> bool:
-    """A ``fused_ce_fsdp`` strategy asked for hybrid sharding (``init_args: {hybrid: true}``)."""
+    """A ``fsdp_lora`` strategy asked for hybrid sharding (``init_args: {hybrid: true}``)."""
     return isinstance(strategy, Mapping) and bool((strategy.get("init_args") or {}).get("hybrid"))
 
 
@@ -197,8 +203,8 @@ CONFLICTS: tuple[Conflict, ...] = (
         "trainer.strategy",
         lambda low, strategy: bool(low) and _strategy(strategy) not in FSDP_STRATEGIES,
         "only rank 0 reads the weights and the other ranks receive their shards from it, which "
-        "trainer.strategy: fused_ce_fsdp does",
-        (True, "fused_ce_ddp"),
+        "trainer.strategy: fsdp_lora does",
+        (True, "ddp_lora"),
     ),
     Conflict(
         "model.checkpoint_layers",
@@ -227,8 +233,8 @@ CONFLICTS: tuple[Conflict, ...] = (
         "trainer.num_nodes",
         lambda strategy, nodes: _hybrid(strategy) and (nodes or 1) < 2,
         "hybrid sharding shards within a node and replicates across nodes: it needs 2 nodes or more "
-        "(on one node, plain fused_ce_fsdp shards over all its devices)",
-        ({"class_path": "lit_instruct.train.strategy.FusedCEFSDPStrategy", "init_args": {"hybrid": True}}, 1),
+        "(on one node, plain fsdp_lora shards over all its devices)",
+        ({"class_path": "lit_instruct.train.strategy.LoRAFSDPStrategy", "init_args": {"hybrid": True}}, 1),
     ),
     Conflict(
         "data.streaming",
@@ -238,7 +244,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         (True, -1),
     ),
 )
-"""Every pair of settings refused together, with the reason (the README lists them)."""
+"""Every pair of settings refused together, with the reason (docs/config.md lists them)."""
 
 
 def refuse_conflicts(settings: Mapping[str, Any]) -> None:

@@ -84,7 +84,7 @@ def base_tokenizer(model: str, new_tokens: list[str] | None = None) -> Any:
     """The tokenizer of ``model`` (bundled name, folder or hub id) with ``new_tokens`` added."""
     from transformers import AutoTokenizer
 
-    from lit_instruct.models import resolve_model_path
+    from lit_instruct.model_names import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(model))
     add_tokens(tokenizer, new_tokens or [])
@@ -96,7 +96,9 @@ def adapter_tokenizer(adapter: str | Path | None, model: str) -> Any:
     new tokens), else its base model's."""
     from transformers import AutoTokenizer
 
-    if adapter is not None and (Path(adapter) / "tokenizer_config.json").is_file():
+    from lit_instruct.adapter_folder import has_tokenizer
+
+    if has_tokenizer(adapter):
         return AutoTokenizer.from_pretrained(adapter)
     return base_tokenizer(model)
 

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU interpreter, 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The bundled SmolLM2-135M-Instruct, prepared into the cache once."""
-    from lit_instruct.models import prepare_smollm2
+    from lit_instruct.model_names import prepare_smollm2
 
     return prepare_smollm2()
 

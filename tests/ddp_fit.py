@@ -32,7 +32,7 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.distributed import local_tensor
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import InstructLoRAModule
-from lit_instruct.train.strategy import FusedCEFSDPStrategy
+from lit_instruct.train.strategy import LoRAFSDPStrategy
 from tests.helpers import FaultyModule, Recorder, SeenSamples, StopAfter
 
 
@@ -122,7 +122,7 @@ def main(args: dict) -> None:
         accelerator="cpu",
         devices=args.get("devices", 2),
         num_nodes=args.get("num_nodes", 1),
-        strategy=FusedCEFSDPStrategy(hybrid=True) if args.get("hybrid") else args.get("strategy", "ddp"),
+        strategy=LoRAFSDPStrategy(hybrid=True) if args.get("hybrid") else args.get("strategy", "ddp"),
         max_steps=args["max_steps"],
         accumulate_grad_batches=args.get("accumulate_grad_batches", 1),
         limit_val_batches=1 if preview else 0,

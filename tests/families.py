@@ -322,7 +322,7 @@ LABELS = {
     "gemma4": "Gemma 4 text",
     "falcon": "Falcon (`FalconLinear`, multi-query, parallel attention)",
 }
-"""How the README's support matrix names each family."""
+"""How the support matrix of docs/models.md names each family."""
 
 NO_PACKING = {  # refused by the build check: a packed row is not its samples run alone
     "falcon_h1": "Mamba state",

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from lit_instruct.io import atomic_directory
-from lit_instruct.models import cache_dir
+from lit_instruct.model_names import cache_dir
 from tests.ci import require_or_skip
 
 VERSION = "0.3.36"

@@ -1,7 +1,7 @@
-"""Write the README's support matrix from the family table and what each tiny model builds to.
+"""Write the support matrix of docs/models.md from the family table and what each tiny model builds to.
 
-``python -m tests.support_matrix`` rewrites the table between the markers in README.md;
-``tests/test_families.py`` fails when the README's table is not the one this writes. The "logits"
+``python -m tests.support_matrix`` (``make matrix``) rewrites the table between the markers in
+docs/models.md; ``tests/test_families.py`` fails when that table is not the one this writes. The "logits"
 and "LoRA" columns are what :mod:`lit_instruct.models.output_head` and :mod:`lit_instruct.models.lora_targets`
 find on each model at build, so the table cannot claim what the code does not do.
 """
@@ -17,7 +17,7 @@ from lit_instruct.models.lora import LoRAConfig, attach_lora
 from lit_instruct.models.output_head import logit_transform
 from tests.families import FAMILIES, LABELS, NO_PACKING, SHARP, tiny_model
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+MODELS_DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
 VOCAB = 128
 
@@ -78,19 +78,19 @@ def matrix() -> str:
 def _section(text: str) -> re.Match[str]:
     found = re.search(f"{re.escape(START)}\n(.*?){re.escape(END)}", text, re.DOTALL)
     if found is None:
-        raise ValueError(f"README.md has no {START} ... {END} section")
+        raise ValueError(f"{MODELS_DOC.name} has no {START} ... {END} section")
     return found
 
 
-def readme_matrix(text: str) -> str:
-    """The table between the README's markers."""
+def documented_matrix(text: str) -> str:
+    """The table between the markers of docs/models.md."""
     return _section(text).group(1).rstrip("\n")
 
 
 def main() -> None:
-    text = README.read_text()
+    text = MODELS_DOC.read_text()
     found = _section(text)
-    README.write_text(f"{text[: found.start()]}{START}\n{matrix()}\n{END}{text[found.end() :]}")
+    MODELS_DOC.write_text(f"{text[: found.start()]}{START}\n{matrix()}\n{END}{text[found.end() :]}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lit_instruct import InstructDataModule, InstructLoRAModule
-from lit_instruct.data.templates import CHATML_TEMPLATE
+from lit_instruct.templates import CHATML_TEMPLATE
 from lit_instruct.vocabulary import resolve_new_tokens
 from tests.helpers import trainer
 from tests.sentencepiece_vocab import sentencepiece_tokenizer
@@ -86,7 +86,7 @@ def test_the_template_markers_a_tokenizer_lacks_are_found(tokenizer, tmp_path) -
     ids=["tied-new-rows", "untied-new-rows", "untied-whole-modules"],
 )
 def test_a_base_model_learns_to_end_its_answers_and_exports_them(tied, modules_to_save, tmp_path) -> None:
-    from lit_instruct.export.adapter import merge_adapter
+    from lit_instruct.export.adapter import export_adapter, merge_adapter
 
     base = base_model(tmp_path / "base", tied)
     data = data_module(base, conversations(tmp_path / "chat.jsonl"))
@@ -112,6 +112,9 @@ def test_a_base_model_learns_to_end_its_answers_and_exports_them(tied, modules_t
 
     adapter = module.saved_adapter
     assert len(AutoTokenizer.from_pretrained(adapter)) == 402
+    clean = export_adapter(adapter, tmp_path / "clean")  # the PEFT folder keeps the grown tokenizer
+    assert len(AutoTokenizer.from_pretrained(clean)) == 402
+    assert (clean / "chat_template.jinja").read_text() == (adapter / "chat_template.jinja").read_text()
     merged = merge_adapter(adapter, tmp_path / "merged")
     reloaded = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
     assert reloaded.get_input_embeddings().weight.shape[0] == 402

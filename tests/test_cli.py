@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from lit_instruct.cli import InstructCLI, main
-from lit_instruct.models import prepare_smollm2
+from lit_instruct.model_names import prepare_smollm2
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.packing import PACKED_ATTENTION, attention_implementation
 
@@ -39,12 +39,12 @@ def test_config_parses_and_prints_a_complete_config(config: Path, capsys, tmp_pa
     assert yaml.safe_load(capsys.readouterr().out) == printed
 
 
-def test_fused_ce_strategy_is_selectable_by_name_from_the_command_line(capsys) -> None:
+def test_one_device_strategy_is_selectable_by_name_from_the_command_line(capsys) -> None:
     with pytest.raises(SystemExit):
         InstructCLI(
-            args=["fit", "--config", str(CONFIGS[0]), "--trainer.strategy", "fused_ce", "--print_config"]
+            args=["fit", "--config", str(CONFIGS[0]), "--trainer.strategy", "one_device", "--print_config"]
         )
-    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"] == "fused_ce"
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"] == "one_device"
 
 
 @pytest.mark.e2e

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from lit_instruct.cli import InstructCLI
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import reference_linear_cross_entropy
-from lit_instruct.train.module import resolve_loss
+from lit_instruct.loss.table import LOSSES, LossChoice, resolve_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,10 +63,15 @@ def test_an_optimizer_set_in_the_config_trains_the_adapters_on_the_schedule(
 
 def test_a_loss_that_is_no_loss_is_refused() -> None:
     with pytest.raises(
-        ValueError, match=r"model\.loss must be fused, reference or a callable loss, got 'liger'"
+        ValueError, match=r"model\.loss must be one of fused, reference or a callable loss, got 'liger'"
     ):
         resolve_loss("liger")  # type: ignore[arg-type]
     assert isinstance(resolve_loss("fused"), FusedLinearCrossEntropy)
+    assert resolve_loss("reference") is reference_linear_cross_entropy
+
+
+def test_the_loss_names_the_config_accepts_are_the_table_s() -> None:
+    assert set(typing.get_args(LossChoice)) == set(LOSSES)
 
 
 def test_a_yaml_file_swaps_loss_and_optimizer(tiny_model_dir, chat_file, tmp_path) -> None:

@@ -252,10 +252,11 @@ def test_unpacked_rows_keep_the_models_own_attention_once_packing_is_on(family) 
         )
 
 
-def test_the_readme_matrix_is_the_one_the_builds_write() -> None:
-    from tests.support_matrix import README, matrix, readme_matrix
+def test_the_documented_matrix_is_the_one_the_builds_write() -> None:
+    from tests.support_matrix import MODELS_DOC, documented_matrix, matrix
 
-    assert readme_matrix(README.read_text()) == matrix(), "README matrix is stale: run `make matrix`"
+    stale = "the support matrix of docs/models.md is stale: run `make matrix`"
+    assert documented_matrix(MODELS_DOC.read_text()) == matrix(), stale
 
 
 def test_a_multimodal_model_trains_its_language_model_on_text(tmp_path) -> None:

@@ -237,7 +237,7 @@ def test_an_answer_the_template_drops_is_refused_even_when_its_text_is_found(
 def test_tools_the_template_drops_are_refused_though_a_call_shows_their_name(tokenizer, tmp_path) -> None:
     """chatml-tools with its tools block switched off: the call shows 'get_weather', the tools
     offered are not shown."""
-    from lit_instruct.data.templates import CHATML_TOOLS_TEMPLATE
+    from lit_instruct.templates import CHATML_TOOLS_TEMPLATE
 
     no_tools = CHATML_TOOLS_TEMPLATE.replace("{% if tools %}", "{% if false %}")
     assert no_tools != CHATML_TOOLS_TEMPLATE

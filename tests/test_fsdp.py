@@ -1,4 +1,4 @@
-"""FSDP2 (``fused_ce_fsdp``, Lightning's ModelParallelStrategy) on 2 CPU processes (gloo): the same
+"""FSDP2 (``fsdp_lora``, Lightning's ModelParallelStrategy) on 2 CPU processes (gloo): the same
 training as one process, adapter-only checkpoints, exact resume, NaN skipped on both ranks; and the
 loss's refusal of a sharded lm_head weight."""
 
@@ -37,7 +37,7 @@ def test_fsdp_with_the_fused_loss_equals_one_process(
     LoRA initialisation) from rank 0: the same training."""
     steps, accumulate = 3, 2
     args = {"model": str(tiny_model_dir), "data": str(varied_file), "out": str(tmp_path / "fsdp")}
-    args.update(max_steps=steps, batch_size=1, accumulate_grad_batches=accumulate, strategy="fused_ce_fsdp")
+    args.update(max_steps=steps, batch_size=1, accumulate_grad_batches=accumulate, strategy="fsdp_lora")
     ranks = run_ddp_fit({**args, "low_memory_load": low_memory_load})
     assert [rank["built_on_meta"] for rank in ranks] == [False, low_memory_load]
 
@@ -67,7 +67,7 @@ def test_fsdp_with_the_fused_loss_equals_one_process(
 
 @pytest.mark.slow
 def test_fsdp_resumes_exactly_and_skips_a_nan_on_both_ranks(tiny_model_dir, varied_file, tmp_path) -> None:
-    common = {"model": str(tiny_model_dir), "data": str(varied_file), "strategy": "fused_ce_fsdp"}
+    common = {"model": str(tiny_model_dir), "data": str(varied_file), "strategy": "fsdp_lora"}
     common.update(batch_size=1, fault_rank=1, nan_loss_at=[1])  # rank 1's loss is NaN at step 1
     full = run_ddp_fit({**common, "out": str(tmp_path / "full"), "max_steps": 5})
     assert [rank["skipped"] for rank in full] == [1, 1]
@@ -116,7 +116,7 @@ def test_qlora_under_fsdp_shards_the_4bit_base_and_trains_like_one_process(
     holds about half of the base, and the losses are one process's."""
     quantization = {"method": "nf4", "compute_dtype": "float32"}
     args = {"model": str(tiny_model_dir), "data": str(varied_file), "out": str(tmp_path / "fsdp")}
-    args.update(max_steps=4, batch_size=1, strategy="fused_ce_fsdp", quantization=quantization)
+    args.update(max_steps=4, batch_size=1, strategy="fsdp_lora", quantization=quantization)
     ranks = run_ddp_fit(args)
 
     module, data = make(tiny_model_dir, varied_file, batch_size=2, quantization=quantization)
@@ -137,6 +137,6 @@ def test_low_memory_load_needs_the_sharding_strategy(tiny_model_dir, chat_file, 
     module, data = make(tiny_model_dir, chat_file, low_memory_load=True)
     assert not module.built_on_meta  # rank 0 (no launcher here) always reads the weights
     with pytest.raises(
-        ValueError, match=r"^model\.low_memory_load: true needs trainer\.strategy: fused_ce_fsdp"
+        ValueError, match=r"^model\.low_memory_load: true needs trainer\.strategy: fsdp_lora"
     ):
         trainer(tmp_path).fit(module, datamodule=data)

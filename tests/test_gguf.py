@@ -138,7 +138,7 @@ def test_a_template_ollama_cannot_reproduce_is_refused(tokenizer, tmp_path) -> N
 @pytest.mark.e2e
 def test_the_bundled_model_exports_to_gguf_and_ollama(smollm2_path, tmp_path) -> None:
     """SmolLM2 with an adapter (fresh: merged = base) through the CLI, f16 and q8_0, loaded back."""
-    from lit_instruct.io import save_adapter
+    from lit_instruct.adapter_folder import save_adapter
     from lit_instruct.models.load import load_base_model
     from lit_instruct.models.lora import LoRAConfig, attach_lora
 
@@ -191,8 +191,8 @@ def test_an_adapter_exports_the_template_it_was_trained_with(tiny_model_dir, cha
     """Trained with ``data.chat_template: alpaca``: the adapter folder keeps it, and the GGUF carries it
     (not the tokenizer's ChatML) unless ``chat_template`` overrides it."""
     from lit_instruct.data.datamodule import InstructDataModule
-    from lit_instruct.data.templates import BUILTIN_TEMPLATES
     from lit_instruct.export.gguf import export_gguf
+    from lit_instruct.templates import BUILTIN_TEMPLATES
     from tests.helpers import make, trainer
     from tests.llama_cpp import contents
 

@@ -106,7 +106,7 @@ MODEL_CARD_KEYS = {"general.name", "general.tags"} | {
 
 def trained_adapter(base: Path, folder: Path, **lora) -> Path:
     """An adapter on ``base`` with non-zero B matrices, saved as training saves it."""
-    from lit_instruct.io import save_adapter
+    from lit_instruct.adapter_folder import save_adapter
     from lit_instruct.models.load import load_base_model
     from lit_instruct.models.lora import LoRAConfig, attach_lora
 

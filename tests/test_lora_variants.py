@@ -204,7 +204,7 @@ def test_continuing_from_an_adapter_equals_continuing_the_run(tiny_model_dir, ch
 
 def test_an_adapter_of_another_base_is_refused(tiny_model_dir, tmp_path) -> None:
     other = build_family("qwen3", 49152, tmp_path / "other")
-    from lit_instruct.io import save_adapter
+    from lit_instruct.adapter_folder import save_adapter
 
     save_adapter(InstructLoRAModule(model=str(other), lora=LoRAConfig(r=4)).model, tmp_path / "adapter")
     with pytest.raises(ValueError, match=r"does not fit this base model|another base"):
@@ -233,10 +233,10 @@ class GradientsBeforeTheStep(L.Callback):
             self.grads = {n: p.grad.clone() for n, p in named if p.requires_grad}
 
 
-def test_dora_with_loraplus_under_fused_ce_and_accumulation_equals_peft(
+def test_dora_with_loraplus_under_one_device_and_accumulation_equals_peft(
     tiny_model_dir, chat_file, tmp_path
 ) -> None:
-    from lit_instruct.train.strategy import FusedCESingleDeviceStrategy
+    from lit_instruct.train.strategy import OneDeviceStrategy
 
     lora = LoRAConfig(r=4, alpha=8, use_dora=True, loraplus_lr_ratio=4)
     module, data = make(tiny_model_dir, chat_file, lora=lora, batch_size=2)
@@ -248,7 +248,7 @@ def test_dora_with_loraplus_under_fused_ce_and_accumulation_equals_peft(
     seen = GradientsBeforeTheStep()
     run = trainer(
         tmp_path, max_steps=1, limit_val_batches=0, accumulate_grad_batches=2, callbacks=[seen],
-        strategy=FusedCESingleDeviceStrategy(),
+        strategy=OneDeviceStrategy(),
     )  # fmt: skip
     run.fit(module, datamodule=data)
     assert len(seen.batches) == 2

@@ -50,7 +50,7 @@ def test_a_padding_repeat_counts_no_label(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "packing"), [("ddp", False), ("fused_ce_fsdp", False), ("ddp", True)])
+@pytest.mark.parametrize(("strategy", "packing"), [("ddp", False), ("fsdp_lora", False), ("ddp", True)])
 def test_validation_on_two_processes_equals_one(
     strategy: str, packing: bool, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:
@@ -125,7 +125,7 @@ def assert_trains_as_one_process(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp_lora", "fsdp_lora"])
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_two_nodes_train_as_one_process(
     launcher: str, strategy: str, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
@@ -174,7 +174,7 @@ def test_the_launching_rank_is_read_from_srun_too(monkeypatch: pytest.MonkeyPatc
 def test_hybrid_sharding_on_two_nodes_of_two_trains_as_one_process(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """HSDP (``fused_ce_fsdp`` with ``hybrid: true``): 2 nodes x 2 processes, each rank holding half
+    """HSDP (``fsdp_lora`` with ``hybrid: true``): 2 nodes x 2 processes, each rank holding half
     the base (its node's shard, not a quarter), the same training as one process with batch 4."""
     from tests.ddp_fit import run_two_nodes
 
@@ -198,7 +198,7 @@ def test_a_two_process_checkpoint_resumes_on_four(tiny_model_dir: Path, tmp_path
     from tests.ddp_fit import run_ddp_fit
 
     eight = write_chats(tmp_path / "eight.jsonl", VAL_CHATS)
-    args = {"model": str(tiny_model_dir), "data": str(eight), "strategy": "fused_ce_ddp", "batch_size": 1}
+    args = {"model": str(tiny_model_dir), "data": str(eight), "strategy": "ddp_lora", "batch_size": 1}
     two = run_ddp_fit(
         {**args, "out": str(tmp_path / "two"), "max_steps": 4, "stop_after": 1, "ckpt_every": 1}
     )
@@ -215,7 +215,7 @@ def test_a_two_process_checkpoint_resumes_on_four(tiny_model_dir: Path, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp_lora", "fsdp_lora"])
 def test_a_two_process_checkpoint_resumes_on_one_training_each_sample_once(
     strategy: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -281,7 +281,7 @@ def test_a_sharded_runs_adapter_merges_exports_generates_and_evaluates(
     from tests.ddp_fit import run_ddp_fit
 
     args = {"model": str(tiny_model_dir), "data": str(chat_file), "out": str(tmp_path / "fsdp")}
-    args |= {"strategy": "fused_ce_fsdp", "max_steps": 2, "batch_size": 1}
+    args |= {"strategy": "fsdp_lora", "max_steps": 2, "batch_size": 1}
     run_ddp_fit({**args, **({"quantization": quantization} if quantization else {})})
     adapter = str(tmp_path / "fsdp" / "adapter")
 
@@ -310,7 +310,7 @@ def test_a_sharded_runs_adapter_merges_exports_generates_and_evaluates(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fused_ce_ddp", "fused_ce_fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp_lora", "fsdp_lora"])
 def test_a_killed_rank_stops_the_others_with_one_line_and_the_checkpoint_resumes(
     strategy: str, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:
@@ -350,10 +350,10 @@ def test_a_killed_rank_stops_the_others_with_one_line_and_the_checkpoint_resumes
 def test_the_strategies_wait_minutes_not_half_an_hour_for_a_lost_rank() -> None:
     from datetime import timedelta
 
-    from lit_instruct.train.strategy import FusedCEDDPStrategy, FusedCEFSDPStrategy
+    from lit_instruct.train.strategy import LoRADDPStrategy, LoRAFSDPStrategy
 
-    assert FusedCEDDPStrategy()._timeout == FusedCEFSDPStrategy()._timeout == timedelta(minutes=10)
-    assert FusedCEDDPStrategy(timeout_minutes=2.5)._timeout == timedelta(minutes=2.5)
+    assert LoRADDPStrategy()._timeout == LoRAFSDPStrategy()._timeout == timedelta(minutes=10)
+    assert LoRADDPStrategy(timeout_minutes=2.5)._timeout == timedelta(minutes=2.5)
 
 
 def test_a_restarted_run_picks_up_its_last_checkpoint_by_itself(
@@ -393,7 +393,7 @@ def test_an_epochs_uneven_last_batch_on_two_ranks_trains_as_one_process(
 
     five = write_chats(tmp_path / "five.jsonl", VAL_CHATS[:5])
     args = {"model": str(tiny_model_dir), "data": str(five), "out": str(tmp_path / "two"), "batch_size": 1}
-    ranks = run_ddp_fit({**args, "max_steps": 3, "strategy": "fused_ce_ddp"})
+    ranks = run_ddp_fit({**args, "max_steps": 3, "strategy": "ddp_lora"})
     module, _ = make(tiny_model_dir, five)
     data = InstructDataModule(
         tokenizer=str(tiny_model_dir), train_files=[str(five)], batch_size=2

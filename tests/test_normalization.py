@@ -69,7 +69,7 @@ def test_accumulation_gives_the_gradient_of_one_batch_with_all_samples(tiny_mode
 def test_two_ddp_ranks_with_the_fused_loss_equal_one_process(tiny_model_dir, uneven_file, tmp_path):
     steps, accumulate = 3, 2
     args = {"model": str(tiny_model_dir), "data": str(uneven_file), "out": str(tmp_path / "ddp")}
-    args.update(max_steps=steps, batch_size=1, accumulate_grad_batches=accumulate, strategy="fused_ce_ddp")
+    args.update(max_steps=steps, batch_size=1, accumulate_grad_batches=accumulate, strategy="ddp_lora")
     ranks = run_ddp_fit(args)
     checkpoint = torch.load(tmp_path / "ddp" / "last.ckpt", weights_only=True)
     assert len(checkpoint["rng_states"]) == 2 and checkpoint["global_step"] == steps

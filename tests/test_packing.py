@@ -93,7 +93,7 @@ def test_bf16_autocast_trains_packed_with_the_fused_loss_like_fp32(
             max_steps=3,
             limit_val_batches=0,
             precision=precision,
-            strategy="fused_ce",
+            strategy="one_device",
             callbacks=[recorder],
         )
         run.fit(module, datamodule=data)

@@ -58,7 +58,7 @@ FACTORS: dict[str, list[Any]] = {
     "variant": [None, "dora", "rslora", "loraplus"],
     "init": ["default", "gaussian", "pissa", "olora", "eva", "loftq"],
     "quantization": ["none", "nf4"],
-    "strategy": ["fused_ce", "auto"],
+    "strategy": ["one_device", "auto"],
     "accumulation": [1, 2],
     "new_tokens": [None, ["<|fact|>"]],
     "precision": ["32-true", "bf16-mixed"],  # bf16: the base stored in bf16 (model.dtype: auto)

@@ -198,8 +198,11 @@ def test_nf4_trained_adapter_merges_into_the_full_precision_base(
 
 def test_export_writes_a_clean_adapter_and_refuses_non_finite_weights(tiny_model_dir, chat_file, tmp_path):
     adapter = trained_adapter(tiny_model_dir, chat_file, tmp_path)
+    (adapter / "optimizer.pt").write_bytes(b"not part of an adapter")
     out = export_adapter(adapter, tmp_path / "clean")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    kept = ["adapter_config.json", "adapter_model.safetensors", "chat_template.jinja"]
+    assert sorted(p.name for p in out.iterdir()) == kept
+    assert (out / "chat_template.jinja").read_text() == (adapter / "chat_template.jinja").read_text()
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
 
     weights = load_file(adapter / "adapter_model.safetensors")
@@ -208,7 +211,7 @@ def test_export_writes_a_clean_adapter_and_refuses_non_finite_weights(tiny_model
     save_file(weights, adapter / "adapter_model.safetensors")
     with pytest.raises(ValueError, match=f"tensor '{name}' contains NaN or Inf"):
         export_adapter(adapter, tmp_path / "clean")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == kept
     assert torch.isfinite(load_file(out / "adapter_model.safetensors")[name]).all()
 
 

@@ -14,8 +14,8 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from lit_instruct.adapter_folder import save_adapter
 from lit_instruct.cli import InstructCLI
-from lit_instruct.io import save_adapter
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from tests.helpers import make, trainer
 

@@ -1,4 +1,5 @@
-"""The fused_ce strategies: registered by name, follow the Trainer's devices, leave the loss to the module."""
+"""Our strategies: registered by name and former name, follow the Trainer's devices, leave the loss
+to the module."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lit_instruct.loss.fused import FusedLinearCrossEntropy
 from lit_instruct.loss.reference import reference_linear_cross_entropy
-from lit_instruct.train.strategy import FusedCEDDPStrategy, FusedCESingleDeviceStrategy
+from lit_instruct.train import strategy as strategy_module
+from lit_instruct.train.strategy import LoRADDPStrategy, LoRAFSDPStrategy, OneDeviceStrategy
 from tests.helpers import make, trainer
 
 
@@ -22,29 +24,42 @@ class LossRecorder(L.Callback):
 
 
 def test_strategies_are_registered_by_name() -> None:
-    assert StrategyRegistry["fused_ce"]["strategy"] is FusedCESingleDeviceStrategy
-    assert StrategyRegistry["fused_ce_ddp"]["strategy"] is FusedCEDDPStrategy
-    trainer = L.Trainer(accelerator="cpu", strategy="fused_ce", logger=False)
-    assert isinstance(trainer.strategy, FusedCESingleDeviceStrategy)
+    assert StrategyRegistry["one_device"]["strategy"] is OneDeviceStrategy
+    assert StrategyRegistry["ddp_lora"]["strategy"] is LoRADDPStrategy
+    trainer = L.Trainer(accelerator="cpu", strategy="one_device", logger=False)
+    assert isinstance(trainer.strategy, OneDeviceStrategy)
     assert trainer.strategy.root_device == torch.device("cpu")
-    ddp = L.Trainer(accelerator="cpu", devices=2, strategy="fused_ce_ddp", logger=False)
-    assert isinstance(ddp.strategy, FusedCEDDPStrategy) and ddp.strategy.world_size == 2
+    ddp = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_lora", logger=False)
+    assert isinstance(ddp.strategy, LoRADDPStrategy) and ddp.strategy.world_size == 2
 
 
-def test_the_trainer_hands_its_device_to_fused_ce() -> None:
+@pytest.mark.parametrize(
+    ("former", "former_class", "cls"),
+    [
+        ("fused_ce", "FusedCESingleDeviceStrategy", OneDeviceStrategy),
+        ("fused_ce_ddp", "FusedCEDDPStrategy", LoRADDPStrategy),
+        ("fused_ce_fsdp", "FusedCEFSDPStrategy", LoRAFSDPStrategy),
+    ],
+)
+def test_the_former_strategy_names_still_run(former: str, former_class: str, cls: type) -> None:
+    assert StrategyRegistry[former]["strategy"] is cls
+    assert getattr(strategy_module, former_class) is cls  # a config's class_path of an earlier release
+
+
+def test_the_trainer_hands_its_device_to_one_device() -> None:
     """Lightning's accelerator connector sets ``parallel_devices`` on the strategy instance: if it
-    stops doing so, a ``fused_ce`` run would silently stay on the default device."""
-    strategy = FusedCESingleDeviceStrategy()
+    stops doing so, a ``one_device`` run would silently stay on the default device."""
+    strategy = OneDeviceStrategy()
     L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False)
     assert strategy._chosen == torch.device("cpu") and strategy.root_device == torch.device("cpu")
-    given = FusedCESingleDeviceStrategy(device="cpu")
+    given = OneDeviceStrategy(device="cpu")
     L.Trainer(accelerator="cpu", devices=1, strategy=given, logger=False)
     assert given._chosen is None and given.root_device == torch.device("cpu")
 
 
-def test_fused_ce_refuses_several_devices() -> None:
-    with pytest.raises(ValueError, match="fused_ce_ddp"):
-        L.Trainer(accelerator="cpu", devices=2, strategy="fused_ce", logger=False)
+def test_one_device_refuses_several_devices() -> None:
+    with pytest.raises(ValueError, match="ddp_lora"):
+        L.Trainer(accelerator="cpu", devices=2, strategy="one_device", logger=False)
 
 
 def train_losses(tiny_model_dir, chat_file, tmp_path, strategy, **options) -> tuple[list[float], object]:
@@ -59,7 +74,7 @@ def train_losses(tiny_model_dir, chat_file, tmp_path, strategy, **options) -> tu
 
 def test_the_module_keeps_its_loss_on_any_strategy(tiny_model_dir, chat_file, tmp_path) -> None:
     reference, loss_fn = train_losses(
-        tiny_model_dir, chat_file, tmp_path / "ref", FusedCESingleDeviceStrategy(), loss="reference"
+        tiny_model_dir, chat_file, tmp_path / "ref", OneDeviceStrategy(), loss="reference"
     )
     assert loss_fn is reference_linear_cross_entropy
     fused, loss_fn = train_losses(tiny_model_dir, chat_file, tmp_path / "fused", "auto")

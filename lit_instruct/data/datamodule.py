@@ -19,11 +19,11 @@ from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
-from lit_instruct.data.templates import resolve_chat_template, template_text
 from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir
+from lit_instruct.templates import resolve_chat_template, template_text
 from lit_instruct.vocabulary import NewTokens, add_tokens, base_tokenizer, resolve_new_tokens
 
 
@@ -207,7 +207,7 @@ class InstructDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Prepare a bundled model's tokenizer, and the tokenized data into the cache (rank 0 only:
         the other ranks then load it in :meth:`setup`)."""
-        from lit_instruct.models import resolve_model_path
+        from lit_instruct.model_names import resolve_model_path
 
         resolve_model_path(self.tokenizer_name)
         if self.cache and self.prepared is None:  # not handed over already (``fit`` checks data first)
@@ -243,7 +243,7 @@ class InstructDataModule(L.LightningDataModule):
         """Where tokenized data is cached (``None`` with ``cache: false``)."""
         if not self.cache:
             return None
-        from lit_instruct.models import cache_dir
+        from lit_instruct.model_names import cache_dir
 
         return Path(self.cache_dir) if self.cache_dir else cache_dir() / "data"
 
@@ -319,7 +319,7 @@ class InstructDataModule(L.LightningDataModule):
         """Embedding rows of the model whose folder holds the tokenizer (``None`` without a config)."""
         from transformers import AutoConfig
 
-        from lit_instruct.models import resolve_model_path
+        from lit_instruct.model_names import resolve_model_path
 
         try:
             config = AutoConfig.from_pretrained(resolve_model_path(self.tokenizer_name))

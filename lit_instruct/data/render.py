@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from lit_instruct.data.records import DataError, Message, Record
-from lit_instruct.data.templates import resolve_chat_template
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.templates import resolve_chat_template
 
 MultiTurn = Literal["auto", "joint", "per_turn", "last"]
 TrainOn = Literal["answers", "all"]
@@ -177,7 +177,7 @@ class ChatRenderer:
         tokenizer: a fast ``transformers`` tokenizer (character offsets are needed).
         max_seq_len: samples are cut to this many tokens before masking is evaluated.
         chat_template: overrides the tokenizer's template (needed when it has none): Jinja, or a
-            name from :data:`lit_instruct.data.templates.BUILTIN_TEMPLATES`.
+            name from :data:`lit_instruct.templates.BUILTIN_TEMPLATES`.
         multi_turn: ``auto`` (one sample per conversation where the template is prefix-stable,
             else one per assistant turn), ``joint`` (always one; refuses unstable templates),
             ``per_turn`` (always one per assistant turn) or ``last`` (the last answer only,

@@ -22,9 +22,9 @@ from typing import Any
 
 from lit_instruct.data.chatterbot import corpus_dir, read_chatterbot
 from lit_instruct.data.records import DataError, Record, RecordFormat, to_record
-from lit_instruct.data.templates import template_text
 from lit_instruct.errors import ConfigError
 from lit_instruct.network import reachable
+from lit_instruct.templates import template_text
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 """Files read as tables through ``datasets``."""

@@ -6,32 +6,16 @@ complete, so a failure never leaves a half-written adapter or model, and an earl
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
-
+from lit_instruct.adapter_folder import adapter_base, copy_adapter, read_weights
 from lit_instruct.export.gguf_vocab import SENTENCEPIECE_MODEL
-from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, atomic_directory, check_finite
+from lit_instruct.io import atomic_directory, check_finite
 
-
-def export_adapter(adapter: str | Path, out: str | Path) -> Path:
-    """Copy an adapter into a clean PEFT folder: config and safetensors weights only, checked finite."""
-    adapter = Path(adapter)
-    weights = load_file(adapter / ADAPTER_WEIGHTS)
-    check_finite(weights, str(adapter / ADAPTER_WEIGHTS))
-    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
-    with atomic_directory(out) as staging:
-        save_file(weights, staging / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-    return Path(out)
-
-
-def adapter_base(adapter: str | Path, base: str | None = None) -> str:
-    """The base model of ``adapter``: ``base`` when given, else its recorded ``base_model_name_or_path``."""
-    return base or json.loads((Path(adapter) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+export_adapter = copy_adapter
+"""``export --out``: the clean PEFT folder (:func:`lit_instruct.adapter_folder.copy_adapter`)."""
 
 
 def merged_model(adapter: str | Path, base: str | None = None) -> tuple[Any, Any]:
@@ -44,7 +28,7 @@ def merged_model(adapter: str | Path, base: str | None = None) -> tuple[Any, Any
     from lit_instruct.vocabulary import adapter_tokenizer
 
     adapter, base = Path(adapter), adapter_base(adapter, base)
-    check_finite(load_file(adapter / ADAPTER_WEIGHTS), str(adapter / ADAPTER_WEIGHTS))
+    read_weights(adapter)  # checked finite before the base loads
     tokenizer = adapter_tokenizer(adapter, base)
     model = load_base_model(base, "float32")
     embedding_rows_for(model, tokenizer)  # the rows of tokens added at training
@@ -60,7 +44,7 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     ``AutoModelForCausalLM.from_pretrained(out)``. ``base`` overrides the adapter's recorded
     ``base_model_name_or_path``.
     """
-    from lit_instruct.models import resolve_model_path
+    from lit_instruct.model_names import resolve_model_path
 
     model, tokenizer = merged_model(adapter, base)
     model.config.use_cache = True

@@ -141,7 +141,8 @@ def llama_cpp_rows(tensor: torch.Tensor, layer: str, family: Family, config: Any
     return permute_rotary(tensor, heads if layer.endswith("q_proj") else kv_heads)
 
 
-def _check_supported(config: Any) -> Family:
+def check_supported(config: Any) -> Family:
+    """The GGUF family of a ``transformers`` config, or a refusal naming what is supported."""
     family = SUPPORTED.get(config.model_type)
     if family is None:
         raise ValueError(
@@ -200,7 +201,7 @@ def rope_factors(config: Any) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
-def _tensor_data(tensor: torch.Tensor, quant: str, output: bool = False) -> tuple[np.ndarray, Any]:
+def tensor_data(tensor: torch.Tensor, quant: str, output: bool = False) -> tuple[np.ndarray, Any]:
     """The bytes to store and their GGML type: 1-D tensors F32, matrices in ``quant`` (a row length
     that is not a multiple of the 32-value block falls back to F16). Under ``q4_0`` the output head
     (``output``: or the token embedding it is tied to) is stored as ``q8_0``, as llama.cpp's
@@ -277,7 +278,7 @@ def _write_tensors(writer: Any, model: Any, family: Family, quant: str) -> None:
         if family.norm_offset and hf_name.endswith("norm.weight"):
             tensor = tensor.float() + family.norm_offset
         output = gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight")
-        data, qtype = _tensor_data(tensor, quant, output)
+        data, qtype = tensor_data(tensor, quant, output)
         writer.add_tensor(gguf_name, data, raw_dtype=qtype)
 
 
@@ -311,7 +312,7 @@ def write_gguf(
     if quant not in QUANT_TYPES:
         raise ValueError(f"quant must be one of {QUANT_TYPES}, got {quant!r}")
     config = model.config
-    family = _check_supported(config)
+    family = check_supported(config)
     if sentencepiece is None and is_sentencepiece(tokenizer):
         sentencepiece = sentencepiece_file(tokenizer)  # refused before any writing when missing
     with gguf_file(out, family) as writer:
@@ -366,14 +367,14 @@ def export_gguf(
     template it was trained with (``chat_template`` overrides it: Jinja or a built-in name); with
     ``ollama`` also ``<out stem>.Modelfile`` beside it (:func:`lit_instruct.export.ollama.write_modelfile`).
     ``general.name`` is the base's name and the adapter's (its run folder's when it is named ``adapter``)."""
-    from lit_instruct.data.templates import resolve_chat_template
-    from lit_instruct.export.adapter import adapter_base, merged_model
+    from lit_instruct.adapter_folder import adapter_base, adapter_chat_template
+    from lit_instruct.export.adapter import merged_model
     from lit_instruct.export.ollama import ollama_format, write_modelfile
-    from lit_instruct.io import adapter_chat_template
-    from lit_instruct.models import resolve_model_path
+    from lit_instruct.model_names import resolve_model_path
+    from lit_instruct.templates import resolve_chat_template
 
     model, tokenizer = merged_model(adapter, base)
-    _check_supported(model.config)  # refusals before any writing
+    check_supported(model.config)  # refusals before any writing
     base_name = adapter_base(adapter, base)
     folders = (resolve_model_path(base_name),)
     sentencepiece = sentencepiece_file(tokenizer, folders) if is_sentencepiece(tokenizer) else None

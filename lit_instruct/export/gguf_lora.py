@@ -11,15 +11,12 @@ embeddings or expert weights, extra trained modules) is refused by name.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file
-
-from lit_instruct.export.gguf import Family, _check_supported, _tensor_data, gguf_file, llama_cpp_rows
-from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_finite
+from lit_instruct.adapter_folder import adapter_base, read_config, read_weights
+from lit_instruct.export.gguf import Family, check_supported, gguf_file, llama_cpp_rows, tensor_data
 
 PREFIX = "base_model.model."
 UNSUPPORTED = {
@@ -56,18 +53,16 @@ def write_lora_gguf(
     import gguf
     from transformers import AutoConfig
 
-    from lit_instruct.export.adapter import adapter_base
-    from lit_instruct.models import resolve_model_path
+    from lit_instruct.model_names import resolve_model_path
 
     if quant not in ("f32", "f16", "bf16", "q8_0"):
         raise ValueError(f"a GGUF LoRA file is f32, f16, bf16 or q8_0, not {quant!r}")
     adapter, out = Path(adapter), Path(out)
-    settings = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    settings = read_config(adapter)
     check_exportable(settings, adapter)
     config = AutoConfig.from_pretrained(resolve_model_path(adapter_base(adapter, base)))
-    family = _check_supported(config)
-    weights = load_file(adapter / ADAPTER_WEIGHTS)
-    check_finite(weights, str(adapter / ADAPTER_WEIGHTS))
+    family = check_supported(config)
+    weights = read_weights(adapter)
     with gguf_file(out, family) as writer:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
@@ -98,6 +93,6 @@ def _lora_tensors(
             raise ValueError(f"no GGUF name for the adapted layer {stem!r} of {config.model_type}")
         if kind == "B.weight":  # B holds the layer's output rows; A its input columns
             tensor = llama_cpp_rows(tensor, stem, family, config)
-        data, qtype = _tensor_data(tensor, quant)
+        data, qtype = tensor_data(tensor, quant)
         tensors.append((f"{gguf_name}.lora_{kind[0].lower()}", data, qtype))
     return tensors

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lit_instruct.data.templates import resolve_chat_template
+from lit_instruct.templates import resolve_chat_template
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``lit-instruct chat``: a multi-turn terminal chat with a model (and adapter), answers streamed.
 
 Prompts are rendered with the template training used
-(:func:`~lit_instruct.data.templates.resolve_chat_template`). The history is kept within the model's
+(:func:`~lit_instruct.templates.resolve_chat_template`). The history is kept within the model's
 context: when the rendered conversation plus the answer's token budget would not fit, the oldest
 exchanges are left out (the system prompt stays). Commands: ``/reset`` forgets the history,
 ``/system TEXT`` sets the system prompt (and resets), ``/exit`` ends.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
-from lit_instruct.data.templates import resolve_chat_template
+from lit_instruct.templates import resolve_chat_template
 from lit_instruct.infer.generate import generate
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit"

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lit_instruct.export.adapter import adapter_base
+from lit_instruct.adapter_folder import adapter_base
 from lit_instruct.vocabulary import adapter_new_tokens, base_tokenizer
 
 

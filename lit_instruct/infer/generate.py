@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lit_instruct.data.templates import resolve_chat_template
+from lit_instruct.templates import resolve_chat_template
 
 
 def load_for_generation(
@@ -16,7 +16,7 @@ def load_for_generation(
     SmolLM2), optionally with a PEFT adapter, in eval mode."""
     from peft import PeftModel
 
-    from lit_instruct.export.adapter import adapter_base
+    from lit_instruct.adapter_folder import adapter_base
     from lit_instruct.models.load import load_base_model
     from lit_instruct.models.new_tokens import embedding_rows_for
     from lit_instruct.vocabulary import adapter_tokenizer

@@ -21,8 +21,8 @@ import torch
 
 from lit_instruct.distributed import refuse_sharded
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.contract import Reduction, check_labels
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
-from lit_instruct.loss.reference import Reduction, check_labels
 
 Backend = Literal["auto", "torch", "triton"]
 

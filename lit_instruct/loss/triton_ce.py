@@ -17,8 +17,8 @@ import os
 import torch
 
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.contract import check_labels
 from lit_instruct.loss.logits import IDENTITY, LogitTransform
-from lit_instruct.loss.reference import check_labels
 
 
 def triton_available() -> bool:

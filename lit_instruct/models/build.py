@@ -1,5 +1,7 @@
 """The one path from a model name to a trainable model: load the base, check its output head, build
-it for packed rows, attach LoRA, fuse the adapters, and put the 4-bit layers back in training layout.
+it for packed rows, attach LoRA, fuse the adapters, and put the 4-bit layers back in training layout;
+for ``lora.init: eva``, a second stage fed by the training data (:func:`finish_eva`) sets the adapters
+and then fuses them.
 
 Each rewrite checks itself against the model's own forward as it is made (the head check, the
 packed-vs-alone check, LoRA coverage, the fused-LoRA check), in this order: every check after the
@@ -10,6 +12,7 @@ first runs on the model the earlier steps built. A rank that builds on the meta 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,8 +20,9 @@ import torch
 
 from lit_instruct.errors import ConfigError
 from lit_instruct.loss.logits import LogitTransform
-from lit_instruct.models import resolve_model_path
+from lit_instruct.model_names import resolve_model_path
 from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.eva_init import EvaResult, apply_eva_ranks, eva_data_pass
 from lit_instruct.models.four_bit import check_training_layout
 from lit_instruct.models.fused_lora import FusedLayers, fuse_lora
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig, load_base_model
@@ -34,7 +38,7 @@ from lit_instruct.vocabulary import base_tokenizer
 logger = logging.getLogger("lit_instruct")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelOptions:
     """How to build the trainable model (:class:`~lit_instruct.train.module.InstructLoRAModule`'s
     model arguments)."""
@@ -158,3 +162,37 @@ def build_trainable_model(
         for layer in decoder_of(base).layers:
             layer.compile(dynamic=True)
     return TrainableModel(peft_model, transform, router_aux_loss, fused, on_meta, initial)
+
+
+@dataclass
+class EvaStage:
+    """What the data-fed stage gave: every adapted layer's rank, the data pass (``None`` when a
+    checkpoint's ranks were rebuilt instead), and the fused LoRA layers."""
+
+    ranks: dict[str, int]
+    data_pass: EvaResult | None
+    fused_layers: FusedLayers | None
+
+
+def finish_eva(
+    peft_model: Any,
+    fuse: bool,
+    *,
+    ranks: dict[str, int] | None = None,
+    loader: Iterable[dict[str, Any]] | None = None,
+    trunk: Callable[[dict], Any] | None = None,
+) -> EvaStage:
+    """The build's second stage for ``lora.init: eva``, once training data is at hand: EVA's data pass
+    over ``loader`` through ``trunk`` (or a checkpoint's ``ranks`` rebuilt, no pass: its weights replace
+    the adapters), then what the first stage deferred: trained weights in fp32 (EVA's come in the base's
+    dtype) and, with ``fuse``, the fused LoRA layers. Runs before the optimizer exists: ranks change."""
+    data_pass = None
+    if ranks is not None:
+        apply_eva_ranks(peft_model, ranks)
+    elif loader is not None and trunk is not None:
+        data_pass = eva_data_pass(peft_model, loader, trunk)
+        ranks = data_pass.ranks
+    else:
+        raise ValueError("finish_eva needs a checkpoint's ranks, or a loader and a trunk for the data pass")
+    trainable_in_fp32(peft_model)
+    return EvaStage(dict(ranks), data_pass, fuse_lora(peft_model) if fuse else None)

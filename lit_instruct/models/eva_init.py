@@ -127,7 +127,7 @@ def eva_state_dict(
     return state, budget
 
 
-def initialise_eva(
+def eva_data_pass(
     peft_model: Any,
     loader: Iterable[dict[str, Any]],
     trunk: Callable[[dict], Any],

@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lit_instruct.models import resolve_model_path
+from lit_instruct.model_names import resolve_model_path
 from lit_instruct.models.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
 
 DType = Literal["float32", "bfloat16", "float16"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -11,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lit_instruct.adapter_folder import read_config, read_weights
 from lit_instruct.errors import ConfigError
 from lit_instruct.models.lora_targets import (
     LoRAConfigError,
@@ -156,9 +155,7 @@ def attach_lora(
         task_type="CAUSAL_LM",
         bias="none",
     )
-    with warnings.catch_warnings():  # peft reads transformers' deprecated `is_gradient_checkpointing`
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        peft_model: Any = get_peft_model(model, config)
+    peft_model: Any = get_peft_model(model, config)
     peft_model.lora_coverage = check_coverage(peft_model, targets, lora.allow_partial)
     return peft_model
 
@@ -172,17 +169,11 @@ def load_lora(model: nn.Module, adapter: str | Path) -> Any:
         ValueError: when a saved tensor has no place in ``model`` (another base) or is not finite.
     """
     from peft import PeftModel, get_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from lit_instruct.io import ADAPTER_WEIGHTS, check_finite
 
     folder = Path(adapter)
-    saved = load_file(folder / ADAPTER_WEIGHTS)
-    check_finite(saved, str(folder / ADAPTER_WEIGHTS))
+    saved = read_weights(folder)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            peft_model: Any = PeftModel.from_pretrained(model, folder, is_trainable=True)
+        peft_model: Any = PeftModel.from_pretrained(model, folder, is_trainable=True)
     except (RuntimeError, ValueError) as failure:  # size mismatch, target modules not found
         raise ConfigError("model.adapter", f"{folder} does not fit this base model: {failure}") from failure
     loaded = get_peft_model_state_dict(peft_model)
@@ -201,7 +192,7 @@ def load_lora(model: nn.Module, adapter: str | Path) -> Any:
 
 def lora_config_of(adapter: str | Path) -> LoRAConfig:
     """The :class:`LoRAConfig` an adapter folder was saved with (what checkpoints record)."""
-    saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    saved = read_config(adapter)
     targets = saved.get("target_modules") or []
     return LoRAConfig(
         r=saved["r"],

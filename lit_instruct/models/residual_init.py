@@ -14,7 +14,6 @@ trained ``B @ A`` therefore fits only that residual base. Two consequences, both
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,9 @@ def initial_adapter(peft_model: Any) -> dict[str, torch.Tensor]:
 def as_plain_lora(folder: Path, initial: dict[str, torch.Tensor]) -> None:
     """Rewrite the adapter saved in ``folder`` (trained from a residual init whose weights were
     ``initial``) as plain LoRA on the original base (see the module's docstring)."""
-    from safetensors.torch import load_file, save_file
+    from lit_instruct.adapter_folder import read_config, read_weights, write_config, write_weights
 
-    from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-
-    trained = load_file(folder / ADAPTER_WEIGHTS)
+    trained = read_weights(folder)
     converted = {}
     for name, tensor in trained.items():
         if ".lora_A." in name:
@@ -48,14 +45,14 @@ def as_plain_lora(folder: Path, initial: dict[str, torch.Tensor]) -> None:
             converted[name] = torch.cat([tensor, -initial[name].to(tensor)], dim=1)
         else:
             converted[name] = tensor
-    config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    config = read_config(folder)
     config["r"] *= 2
     config["lora_alpha"] *= 2**0.5 if config.get("use_rslora") else 2
     config["rank_pattern"] = {key: 2 * rank for key, rank in (config.get("rank_pattern") or {}).items()}
     config["alpha_pattern"] = {key: 2 * alpha for key, alpha in (config.get("alpha_pattern") or {}).items()}
     config["init_lora_weights"] = True
-    save_file(converted, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    write_weights(folder, converted)
+    write_config(folder, config)
 
 
 def loftq_initialise(peft_model: Any, model_folder: str) -> None:

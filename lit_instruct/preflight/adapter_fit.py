@@ -4,15 +4,14 @@ every saved LoRA tensor a place of the same shape."""
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from lit_instruct.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_config
 from lit_instruct.errors import ConfigError
-from lit_instruct.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
 def saved_shapes(file: Path) -> dict[str, tuple[int, ...]]:
@@ -38,7 +37,7 @@ def check_adapter_folder(adapter: str, setting: str = "model.adapter") -> Path:
                 f"{adapter!r} is {what}; give a PEFT adapter folder ({ADAPTER_CONFIG}, {ADAPTER_WEIGHTS})",
             )
     try:
-        saved = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        saved = read_config(folder)
     except (OSError, ValueError) as failure:
         raise ConfigError(setting, f"{folder / ADAPTER_CONFIG} cannot be read: {failure}") from None
     kind = saved.get("peft_type") if isinstance(saved, dict) else None

