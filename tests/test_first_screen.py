@@ -1,9 +1,10 @@
 """What a user sees first holds no line they cannot act on: no tip, deprecation, callback override or
 FutureWarning, through the real command line of ``fit`` (validation before and during it) and
-``generate``."""
+``generate``; and what the fit wrote reads as plain YAML and names its base as given."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 NOISE = re.compile(
@@ -69,7 +71,12 @@ def test_a_two_step_fit_and_a_generation_print_no_line_the_user_cannot_act_on(
     )
     assert "fit done" in fit
     assert [m.group(0) for m in NOISE.finditer(fit)] == [], fit
+    hparams = next(tmp_path.rglob("hparams.yaml")).read_text()
+    assert "!!python" not in hparams and yaml.safe_load(hparams)["config"]["model"]["betas"] == [0.9, 0.999]
     adapter = next(tmp_path.rglob("adapter_config.json")).parent
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        tiny_model_dir
+    )
     generated = run(
         "generate", "--adapter", str(adapter), "--prompt", "Hi", "--max-new-tokens", "2", cwd=tmp_path
     )

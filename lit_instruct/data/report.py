@@ -8,6 +8,7 @@ loading the model's weights.
 from __future__ import annotations
 
 import html
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,17 @@ def segments(tokenizer: Any, sample: Sample) -> list[tuple[str, bool]]:
         else:
             runs.append(([token], trained))
     return [(tokenizer.decode(ids), trained) for ids, trained in runs]
+
+
+def trained_count(sample: Sample) -> int:
+    """Tokens of ``sample`` that carry a label (count in the loss)."""
+    return sum(label != IGNORE_INDEX for label in sample.labels)
+
+
+def sample_heading(sample: Sample) -> str:
+    """Where ``sample`` came from (``file:line``) and its token counts, as both reports head it."""
+    truncated = f", truncated from {sample.full_length}" if sample.truncated else ""
+    return f"{sample.source}, {len(sample.input_ids)} tokens, {trained_count(sample)} trained{truncated}"
 
 
 @dataclass
@@ -57,7 +69,8 @@ class SourceReport:
 def source_reports(
     split: str, store: SampleStore, counts: dict[str, Counter[str]], shown: int
 ) -> list[SourceReport]:
-    """A report per source of ``store`` (the first ``shown`` samples of each)."""
+    """A report per source of ``store`` (the first ``shown`` samples of each); a validation source
+    with nothing in it (no samples, all counts zero: no validation data) has none."""
     reports = []
     lengths = store.lengths
     token_sources = np.repeat(np.asarray(store.source_ids), lengths)  # from the flat arrays, not samples
@@ -66,11 +79,12 @@ def source_reports(
     )
     for index, name in enumerate(store.names):
         positions = store.indices_of(index)
+        source_counts = counts.get(name, Counter())
+        if split == "val" and not positions and not any(source_counts.values()):
+            continue
         samples = [store[i] for i in positions[:shown]]
         reports.append(
-            SourceReport(
-                split, name, counts.get(name, Counter()), lengths[positions], int(trained[index]), samples
-            )
+            SourceReport(split, name, source_counts, lengths[positions], int(trained[index]), samples)
         )
     return reports
 
@@ -86,17 +100,23 @@ def terminal_text(reports: list[SourceReport], tokenizer: Any, colour: bool) -> 
                 (f"{GREEN}{BOLD}{t}{RESET}" if colour else f"[[{t}]]") if trained else t
                 for t, trained in segments(tokenizer, sample)
             )
-            lines += [f"-- sample {n} ({sample.source}, {len(sample.input_ids)} tokens)", text]
+            lines += [f"-- sample {n} ({sample_heading(sample)})", text]
     return "\n".join(lines) + "\n"
 
 
 STYLE = """
 body { font: 14px/1.5 system-ui, sans-serif; margin: 2em; color: #1d1d1f; }
 h2 { margin-top: 2em; } table { border-collapse: collapse; } td { padding: 0 1em 0 0; }
-pre.sample { white-space: pre-wrap; background: #f6f6f6; padding: 1em; border-radius: 6px; }
-.trained { background: #c8f0c8; outline: 1px solid #6c6; }
+.card { margin: 1em 0; border: 1px solid #ddd; border-radius: 6px; overflow: hidden; }
+.card header { padding: .3em 1em; background: #ececec; font-size: 13px; overflow-wrap: anywhere; }
+.card header .origin { font-family: monospace; }
+pre.sample { white-space: pre-wrap; background: #f6f6f6; padding: 1em; margin: 0; line-height: 1.8; }
+/* a tint, and an outline clear of the glyphs: at the text's edge (or as an underline) it would cover
+   the underscores, which sit on the bottom pixel row of the text at 1x */
+.trained { background: #d6f5d6; outline: 1px solid #5b5; padding: 1px 0 3px; }
 .special { color: #a0a; font-weight: bold; }
 .legend span { padding: 0 .4em; }
+.histogram text { font-size: 11px; fill: #444; } .histogram line { stroke: #888; }
 """
 
 
@@ -109,23 +129,79 @@ def _marked(text: str, special: list[str]) -> str:
     return out
 
 
-def _histogram(lengths: np.ndarray, width: int = 480, height: int = 80, bins: int = 24) -> str:
-    """An inline SVG histogram of sample lengths."""
+def _ticks(low: float, high: float, most: int) -> list[int]:
+    """At most ``most`` round whole numbers from ``low`` to ``high`` (steps of 1, 2 or 5 x 10^k)."""
+    rough = max(high - low, 1) / max(most - 1, 1)
+    power = 10 ** math.floor(math.log10(rough))
+    step = max(1, next(m * power for m in (1, 2, 5, 10) if m * power >= rough))
+    first = math.ceil(low / step) * step
+    return [int(first + k * step) for k in range(int((high - first) // step) + 1)]
+
+
+def _histogram(lengths: np.ndarray, width: int = 480, height: int = 100, bins: int = 24) -> str:
+    """An inline SVG histogram of sample lengths: tokens on the x axis, samples on the y axis."""
     if not len(lengths):
         return ""
     counts, edges = np.histogram(lengths, bins=bins)
-    bar = width / bins
-    top = max(int(counts.max()), 1)
-    rects = []
+    left, top, bottom = 40, 8, 34  # margins for the y ticks, the top tick label, the x ticks and title
+    low, high = float(edges[0]), float(edges[-1])
+    y_ticks = _ticks(0, int(counts.max()), 4)
+    y_top = max(int(counts.max()), y_ticks[-1], 1)
+
+    def x_at(tokens: float) -> float:
+        return left + (tokens - low) / (high - low) * width
+
+    def y_at(count: float) -> float:
+        return top + height - count / y_top * height
+
+    parts = []
     for i, count in enumerate(counts):
-        tall = count / top * height
-        tip = f"{int(edges[i])}-{int(edges[i + 1])} tokens: {count}"
-        rects.append(
-            f'<rect x="{i * bar:.1f}" y="{height - tall:.1f}" width="{bar - 1:.1f}" height="{tall:.1f}" '
-            f'fill="#6a6"><title>{tip}</title></rect>'
+        x0, x1 = x_at(edges[i]), x_at(edges[i + 1])
+        tip = f"{edges[i]:.0f}-{edges[i + 1]:.0f} tokens: {count} samples"
+        parts.append(
+            f'<rect x="{x0:.1f}" y="{y_at(count):.1f}" width="{max(x1 - x0 - 1, 0.5):.1f}" '
+            f'height="{top + height - y_at(count):.1f}" fill="#6a6"><title>{tip}</title></rect>'
         )
-    label = f'<text y="{height + 14}" font-size="11">{int(edges[0])} to {int(edges[-1])} tokens</text>'
-    return f'<svg class="histogram" width="{width}" height="{height + 16}">{"".join(rects)}{label}</svg>'
+    base = top + height
+    x_axis = [f'<line x1="{left}" y1="{base}" x2="{left + width}" y2="{base}"/>']
+    for tick in _ticks(low, high, 7):
+        x = x_at(tick)
+        x_axis.append(
+            f'<line x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}"/>'
+            f'<text class="tick" x="{x:.1f}" y="{base + 15}" text-anchor="middle">{tick}</text>'
+        )
+    x_axis.append(
+        f'<text class="axis-title" x="{left + width / 2}" y="{base + 30}" text-anchor="middle">'
+        "tokens per sample</text>"
+    )
+    y_axis = [f'<line x1="{left}" y1="{top}" x2="{left}" y2="{base}"/>']
+    for tick in y_ticks:
+        y = y_at(tick)
+        y_axis.append(
+            f'<line x1="{left - 4}" y1="{y:.1f}" x2="{left}" y2="{y:.1f}"/>'
+            f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{tick}</text>'
+        )
+    y_axis.append(
+        f'<text class="axis-title" transform="translate(10 {top + height / 2}) rotate(-90)" '
+        'text-anchor="middle">samples</text>'
+    )
+    return (
+        f'<svg class="histogram" width="{left + width + 12}" height="{top + height + bottom}">'
+        f'{"".join(parts)}<g class="x-axis">{"".join(x_axis)}</g>'
+        f'<g class="y-axis">{"".join(y_axis)}</g></svg>'
+    )
+
+
+def _card_header(number: int, sample: Sample) -> str:
+    """A sample card's header: its number, where it came from (``file:line``) and its token counts."""
+    truncated = (
+        f' <span class="truncated">(truncated from {sample.full_length})</span>' if sample.truncated else ""
+    )
+    return (
+        f'<header>sample {number} · <span class="origin">{html.escape(sample.source)}</span> · '
+        f'<span class="tokens">{len(sample.input_ids)}</span> tokens, '
+        f'<span class="trained-count">{trained_count(sample)}</span> trained{truncated}</header>'
+    )
 
 
 def html_page(reports: list[SourceReport], tokenizer: Any, title: str) -> str:
@@ -147,14 +223,17 @@ def html_page(reports: list[SourceReport], tokenizer: Any, title: str) -> str:
             f"<h2>{report.split} / {html.escape(report.name)}</h2><p>{report.length_line()}</p>",
             f"<table>{rows}</table>{_histogram(report.lengths)}",
         ]
-        for sample in report.samples:
+        for n, sample in enumerate(report.samples, start=1):
             body = "".join(
                 f'<span class="trained">{_marked(text, special)}</span>'
                 if trained
                 else _marked(text, special)
                 for text, trained in segments(tokenizer, sample)
             )
-            parts.append(f'<pre class="sample" data-origin="{html.escape(sample.source)}">{body}</pre>')
+            parts.append(f'<article class="card">{_card_header(n, sample)}')
+            parts.append(
+                f'<pre class="sample" data-origin="{html.escape(sample.source)}">{body}</pre></article>'
+            )
         parts.append("</section>")
     parts.append("</body></html>")
     return "".join(parts)
