@@ -48,9 +48,10 @@ class TQDMStepProgressBar(_ReadableMetrics, TQDMProgressBar):
 def readable_bar(bar: Any) -> Any:
     """Our bar in place of Lightning's own of the same kind, with its settings (refresh rate, theme...:
     ours adds no state); any other bar as it is."""
-    kind = {RichProgressBar: RichStepProgressBar, TQDMProgressBar: TQDMStepProgressBar}.get(type(bar))
+    kinds: dict[type, type] = {RichProgressBar: RichStepProgressBar, TQDMProgressBar: TQDMStepProgressBar}
+    kind = kinds.get(type(bar))
     if kind is None:
         return bar
-    readable = kind.__new__(kind)
+    readable: Any = object.__new__(kind)
     readable.__dict__.update(bar.__dict__)
     return readable

@@ -332,7 +332,7 @@ class InstructLoRAModule(L.LightningModule):
         """Throughput, RNG states for exact resumes, the fit report, and on CPU the threads following
         the cores other processes leave free: those of these types the Trainer does not hold yet (the
         user's own is kept, and a fit after ``validate`` keeps the ones attached then)."""
-        held = self.trainer.callbacks if self._trainer is not None else []
+        held = self.trainer.callbacks if self._trainer is not None else []  # type: ignore[attr-defined]
         ours = [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget()]
         return [callback for callback in ours if not any(isinstance(c, type(callback)) for c in held)]
 
