@@ -93,3 +93,26 @@ def test_duplicates_are_dropped_before_the_seeded_split(tiny_model_dir, tmp_path
         train_ids = {tuple(s.input_ids) for s in data.train_samples}
         assert not train_ids & {tuple(s.input_ids) for s in data.val_samples}
     assert splits[0] == splits[1]  # the split depends on split_seed only
+
+
+def test_trainer_predict_answers_as_the_saved_adapter_does(tiny_model_dir, chat_file, tmp_path) -> None:
+    """Generation from the module in memory (fused LoRA layers, the data's chat template) equals the
+    adapter written to disk, loaded afresh into peft's own layers, greedy token for token."""
+    from torch.utils.data import DataLoader
+
+    from lit_instruct.infer.generate import generate, load_for_generation
+
+    module, data = make(tiny_model_dir, chat_file, learning_rate=5e-2, warmup_steps=0)
+    fit = trainer(tmp_path, max_steps=3, limit_val_batches=0)
+    fit.fit(module, datamodule=data)
+    prompts = ["Hello there", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]]
+    module.predict_max_new_tokens = 12
+    answers = fit.predict(module, dataloaders=DataLoader(prompts, batch_size=2, collate_fn=list))
+
+    model, tokenizer = load_for_generation(str(tiny_model_dir), str(module.saved_adapter))
+    template = data.training_chat_template()
+    expected = [generate(model, tokenizer, p, max_new_tokens=12, chat_template=template) for p in prompts]
+    assert answers == [expected] and all(expected)
+    batch = tokenizer("Hello there", return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(module(**batch).logits, model(**batch).logits, rtol=1e-5, atol=1e-5)

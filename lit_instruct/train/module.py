@@ -32,6 +32,7 @@ from lit_instruct.models.build import (
 )
 from lit_instruct.models.decoder import decoder_of
 from lit_instruct.models.eva_init import EvaResult
+from lit_instruct.models.generation import generate
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.models.residual_init import as_plain_lora
@@ -233,6 +234,7 @@ class InstructLoRAModule(L.LightningModule):
         self.response_tokens_seen = 0
         self.last_val_step: int | None = None
         self.saved_adapter: Path | None = None
+        self.chat_template: str | None = None  # the data's, once a datamodule that renders is attached
         self._sharded = False
 
     # -- the model ------------------------------------------------------------------------------
@@ -259,6 +261,9 @@ class InstructLoRAModule(L.LightningModule):
             self._match_trainer_precision()
         if self.eva_pending and stage == "fit":
             self._eva_from_checkpoint_or_data(datamodule)
+        template_of = getattr(datamodule, "training_chat_template", None)
+        if callable(template_of):
+            self.chat_template = template_of()
         new_token_list = getattr(datamodule, "new_token_list", None)
         added = new_token_list() if callable(new_token_list) else None
         if added is not None and added != (self.hparams.get("added_tokens") or []):
@@ -335,6 +340,44 @@ class InstructLoRAModule(L.LightningModule):
         held = self.trainer.callbacks if self._trainer is not None else []  # type: ignore[attr-defined]
         ours = [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget()]
         return [callback for callback in ours if not any(isinstance(c, type(callback)) for c in held)]
+
+    # -- generation -----------------------------------------------------------------------------
+
+    predict_max_new_tokens = 256
+    """How long an answer of :meth:`predict_step` may grow (set it on the module to change it)."""
+
+    def tokenizer(self) -> Any:
+        """The tokenizer of the base, with the tokens training added."""
+        return base_tokenizer(self.hparams["model"], self.hparams.get("added_tokens") or [])
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        """The peft model's own forward (``transformers`` output with ``logits``)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    def answer(self, prompt: str | list[dict[str, str]], max_new_tokens: int = 256, **sampling: Any) -> str:
+        """Answer ``prompt`` (a user message, or chat messages) with the model as it is now, in eval
+        mode (no LoRA dropout), through the chat template the data was rendered with (else the
+        tokenizer's own); ``sampling``: ``temperature``, ``top_p`` (greedy by default)."""
+        was_training = self.training
+        self.eval()
+        try:
+            return generate(
+                self.model,
+                self.tokenizer(),
+                prompt,
+                max_new_tokens=max_new_tokens,
+                chat_template=self.chat_template,
+                **sampling,
+            )
+        finally:
+            self.train(was_training)
+
+    def predict_step(self, batch: list[Any], batch_idx: int = 0) -> list[str]:
+        """Greedy answers to a batch of prompts (user messages, or lists of chat messages), for
+        ``trainer.predict(module, dataloaders=DataLoader(prompts, batch_size=4, collate_fn=list))``."""
+        return [self.answer(prompt, self.predict_max_new_tokens) for prompt in batch]
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -515,10 +558,8 @@ class InstructLoRAModule(L.LightningModule):
         sharded model) with the chat template the data was rendered with, the grown tokenizer when
         tokens were added, and as plain LoRA on the original base after a residual init."""
         template_of = getattr(getattr(self._trainer, "datamodule", None), "training_chat_template", None)
-        template = template_of() if callable(template_of) else None
-        tokenizer = None
-        if self.hparams.get("added_tokens"):  # the grown vocabulary travels with the adapter
-            tokenizer = base_tokenizer(self.hparams["model"], self.hparams["added_tokens"])
+        template = template_of() if callable(template_of) else self.chat_template
+        tokenizer = self.tokenizer() if self.hparams.get("added_tokens") else None  # a grown vocabulary
         convert = None
         if self.initial_adapter is not None:
             convert = functools.partial(as_plain_lora, initial=self.initial_adapter)

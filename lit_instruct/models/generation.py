@@ -1,0 +1,49 @@
+"""Answer a prompt with a model in memory: the chat template training used, greedy or sampled,
+stopping at end-of-turn (``lit-instruct generate``, ``chat``, the module's ``predict_step``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lit_instruct.templates import resolve_chat_template
+
+
+@torch.inference_mode()
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | list[dict[str, str]],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    chat_template: str | None = None,
+    streamer: Any = None,
+) -> str:
+    """Answer ``prompt`` (a user message, or a list of chat messages) and return the answer text.
+
+    ``temperature`` 0 is greedy decoding. Generation stops at the end-of-turn (EOS) token.
+    ``streamer`` (e.g. ``transformers.TextStreamer``) receives tokens as they are produced.
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(
+        messages,
+        chat_template=resolve_chat_template(tokenizer, chat_template),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(model.device)
+    sampling = {"temperature": temperature, "top_p": top_p} if temperature > 0 else {}
+    output = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        use_cache=True,
+        do_sample=temperature > 0,
+        streamer=streamer,
+        **sampling,
+    )
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
