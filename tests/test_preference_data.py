@@ -1,0 +1,121 @@
+"""Preference records (lit_instruct.data.preference): TRL's explicit and implicit layouts, shared
+prompt tokens, labels on each answer only, and the ``[chosen; rejected]`` batch, against an
+independent rendering (the tokenizer's own ``apply_chat_template`` and plain tokenization)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_instruct.data.preference import (
+    PreferenceCollator,
+    PreferenceRenderer,
+    to_preference_record,
+)
+from lit_instruct.data.records import DataError
+from lit_instruct.labels import IGNORE_INDEX
+
+SYSTEM = {"role": "system", "content": "You answer briefly."}
+USER = {"role": "user", "content": "What is the capital of France?"}
+EARLIER = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"}]
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+RECORDS = {
+    "explicit-strings": (
+        {"prompt": USER["content"], "chosen": "Paris.", "rejected": "Lyon, I think."},
+        [USER],
+    ),
+    "explicit-messages": (
+        {
+            "prompt": [SYSTEM, *EARLIER, USER],
+            "chosen": [_assistant("Paris.")],
+            "rejected": [_assistant("Rome.")],
+        },
+        [SYSTEM, *EARLIER, USER],
+    ),
+    "implicit": (
+        {"chosen": [*EARLIER, USER, _assistant("Paris.")], "rejected": [*EARLIER, USER, _assistant("Rome.")]},
+        [*EARLIER, USER],
+    ),
+}
+
+
+def _expected(tokenizer, context, answer: str) -> tuple[list[int], list[int]]:
+    """Independent ids and labels: the template's generation prompt, then the answer and its
+    ``<|im_end|>`` labelled, whatever the template adds after it not."""
+    prompt = list(tokenizer.apply_chat_template(context, add_generation_prompt=True, return_dict=False))
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [
+        tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ]
+    whole = list(tokenizer.apply_chat_template([*context, _assistant(answer)], return_dict=False))
+    end = len(prompt) + len(answer_ids)
+    assert whole[:end] == prompt + answer_ids  # the reference's own premise
+    labels = [IGNORE_INDEX] * len(prompt) + answer_ids + [IGNORE_INDEX] * (len(whole) - end)
+    return whole, labels
+
+
+def _answers(raw) -> tuple[str, str]:
+    pick = lambda v: v if isinstance(v, str) else v[-1]["content"]  # noqa: E731
+    return pick(raw["chosen"]), pick(raw["rejected"])
+
+
+@pytest.mark.parametrize("layout", RECORDS)
+def test_pairs_share_the_prompt_and_label_only_the_answers(layout, tokenizer):
+    raw, context = RECORDS[layout]
+    renderer = PreferenceRenderer(tokenizer, max_seq_len=512)
+    pair = renderer(to_preference_record(raw, "pairs.jsonl:3"))
+    rows = [_expected(tokenizer, context, answer) for answer in _answers(raw)]
+
+    batch = PreferenceCollator(tokenizer.pad_token_id)([pair, pair])
+    width = max(len(ids) for ids, _ in rows)
+    for row, (ids, labels) in zip((0, 2), rows, strict=True):  # [chosen, chosen, rejected, rejected]
+        n = len(ids)
+        assert torch.equal(batch["input_ids"][row, :n], torch.tensor(ids))
+        assert torch.equal(batch["labels"][row], torch.tensor(labels + [IGNORE_INDEX] * (width - n)))
+        assert torch.equal(batch["attention_mask"][row], torch.tensor([1] * n + [0] * (width - n)))
+    assert torch.equal(
+        batch["input_ids"][:, : pair.prompt_length],
+        batch["input_ids"][:1, : pair.prompt_length].expand(4, -1),
+    )
+    assert batch["num_pairs"] == 2 and not pair.truncated
+
+
+def test_truncation_keeps_the_prompt_end_and_cuts_both_answers_alike(tokenizer):
+    raw = {"prompt": "word " * 30, "chosen": "yes " * 20, "rejected": "no " * 12}
+    full = PreferenceRenderer(tokenizer, max_seq_len=10_000)(to_preference_record(raw, "p:1"))
+    cut = PreferenceRenderer(tokenizer, max_seq_len=40)(to_preference_record(raw, "p:1"))
+    assert cut.truncated and max(len(cut.chosen.input_ids), len(cut.rejected.input_ids)) == 40
+    dropped = full.prompt_length - cut.prompt_length
+    for whole, part in ((full.chosen, cut.chosen), (full.rejected, cut.rejected)):
+        n = len(part.input_ids)
+        assert (
+            part.input_ids == whole.input_ids[dropped : dropped + n]
+        )  # the prompt's end, the answer's start
+        assert part.labels == whole.labels[dropped : dropped + n]
+    assert cut.chosen.input_ids[: cut.prompt_length] == cut.rejected.input_ids[: cut.prompt_length]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"prompt": "Hi", "chosen": "Yes."}, "field 'rejected' is missing"),
+        ({"prompt": "Hi", "chosen": 3, "rejected": "No."}, "field 'chosen' must be a string"),
+        ({"chosen": [USER, _assistant("A")], "rejected": [SYSTEM, USER, _assistant("B")]}, "share 0 leading"),
+        (
+            {"prompt": [USER], "chosen": [_assistant("A"), USER], "rejected": "B"},
+            "'chosen' must be one assistant",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": ""}], "chosen": "A", "rejected": "B"},
+            r"'prompt\[0\]\.content'",
+        ),
+    ],
+)
+def test_bad_records_are_refused_with_file_line_and_field(raw, message, tokenizer):
+    with pytest.raises(DataError, match=message) as caught:
+        PreferenceRenderer(tokenizer, 64)(to_preference_record(raw, "pairs.jsonl:7"))
+    assert str(caught.value).startswith("pairs.jsonl:7: ")

@@ -1,0 +1,378 @@
+"""Preference losses (lit_instruct.loss.preference) against TRL's own trainers on the same token ids.
+
+TRL's ``DPOTrainer`` (sigmoid, IPO, sigmoid + sft = RPO), ``CPOTrainer`` (sigmoid with label
+smoothing, SimPO) and ``ORPOTrainer`` each compute their loss and metrics on a batch built in their
+collated layout from our pairs' ids; ours computes the same from hidden states through
+:func:`answer_logps` on the same peft model. Loss, TRL-named metrics and LoRA gradients must agree
+(fp32, rtol 1e-5). ``answer_logps`` itself is checked against a float64 ``log_softmax``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.logits import LogitTransform
+from lit_instruct.loss.preference import (
+    PairLogps,
+    PreferenceLoss,
+    answer_logps,
+    answer_token_counts,
+    mean_metrics,
+)
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+LOGPS_METRICS = ("logps/chosen", "logps/rejected")
+PAIRS = [
+    ("What is the capital of France?", "Paris.", "London, I believe."),
+    ("Say hello.", "Hello!", "No."),
+    ("Name a fruit.", "An apple, which is crunchy and sweet.", "A carrot."),
+]
+
+
+# ---------------------------------------------------------------------------- answer_logps
+
+
+def _reference_logps(hidden, weight, bias, labels, transform):
+    """float64 ``log_softmax(transform(hidden @ weight.T + bias))`` gathered at the labels, summed."""
+    logits = transform(hidden.double() @ weight.double().T + bias.double())
+    per_token = torch.log_softmax(logits, dim=-1).gather(2, labels.clamp(min=0)[..., None]).squeeze(2)
+    return (per_token * (labels != IGNORE_INDEX)).sum(dim=1)
+
+
+@pytest.mark.parametrize(
+    "transform", [LogitTransform(), LogitTransform(scale=0.5, softcap=3.0)], ids=["plain", "softcap"]
+)
+@pytest.mark.parametrize("chunk_size", [3, None], ids=["chunked", "one-chunk"])
+def test_answer_logps_values_and_gradients(transform, chunk_size):
+    gen = torch.Generator().manual_seed(0)
+    batch, length, width, vocab = 4, 9, 16, 50
+    hidden = torch.randn(batch, length, width, generator=gen)
+    weight = torch.randn(vocab, width, generator=gen) / 4
+    bias = torch.randn(vocab, generator=gen)
+    labels = torch.randint(0, vocab, (batch, length), generator=gen)
+    labels[torch.rand(batch, length, generator=gen) < 0.4] = IGNORE_INDEX
+    labels[2] = IGNORE_INDEX  # a sequence with nothing scored sums to 0
+    cotangent = torch.randn(batch, generator=gen)
+
+    ours = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    logps = answer_logps(ours[0], ours[1], labels, chunk_size, bias=ours[2], transform=transform)
+    (logps * cotangent).sum().backward()
+    theirs = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    expected = _reference_logps(*theirs[:2], theirs[2], labels, transform)
+    (expected * cotangent.double()).sum().backward()
+
+    assert logps.dtype == torch.float32 and logps[2] == 0
+    torch.testing.assert_close(logps.double(), expected.detach(), **TOLERANCE)
+    for mine, reference in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine.grad.double(), reference.grad, **TOLERANCE)
+
+
+def test_answer_logps_keeps_no_logits_for_backward():
+    """Nothing of ``[scored rows, vocab]`` size is saved for backward: chunks are recomputed."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 64, 8, generator=gen, requires_grad=True)
+    weight = torch.randn(1000, 8, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 1000, (2, 64), generator=gen)
+    saved: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logps = answer_logps(hidden, weight, labels, chunk_size=16)
+    logps.sum().backward()
+    assert saved and max(saved) < 16 * 1000  # less than one chunk's logits; the whole would be 128 x 1000
+    assert hidden.grad is not None and weight.grad is not None
+
+
+# ---------------------------------------------------------------------------- the pair losses vs TRL
+
+
+@pytest.fixture(scope="module")
+def pair_ids(tokenizer) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt, chosen, rejected) token ids: the prompt through the chat template, answers + end."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for prompt, chosen, rejected in PAIRS:
+        prompt_ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        answer = [
+            tokenizer(text, add_special_tokens=False)["input_ids"] + [end] for text in (chosen, rejected)
+        ]
+        rows.append((list(prompt_ids), *answer))
+    return rows
+
+
+def _padded(rows: list[list[int]], width: int, value: int) -> torch.Tensor:
+    return torch.tensor([row + [value] * (width - len(row)) for row in rows])
+
+
+def _layout(pair_ids, pad_id: int) -> dict[str, torch.Tensor]:
+    """The pairs as one ``[chosen rows; rejected rows]`` batch: ids, attention, answer labels, and
+    whole-sequence labels (TRL's ORPO NLL); right padding."""
+    sequences = [p + c for p, c, _ in pair_ids] + [p + r for p, _, r in pair_ids]
+    answers = [[0] * len(p) + [1] * len(c) for p, c, _ in pair_ids] + [
+        [0] * len(p) + [1] * len(r) for p, _, r in pair_ids
+    ]
+    width = max(map(len, sequences))
+    input_ids = _padded(sequences, width, pad_id)
+    attention_mask = _padded([[1] * len(s) for s in sequences], width, 0)
+    completion_mask = _padded(answers, width, 0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "completion_mask": completion_mask,
+        "labels": input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX),
+        "sequence_labels": input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX),
+    }
+
+
+def _pair_batch(layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same batch in CPO/ORPO's collated layout (``chosen_*``, ``rejected_*``)."""
+    batch = {}
+    for side, rows in (("chosen", slice(0, len(PAIRS))), ("rejected", slice(len(PAIRS), None))):
+        batch[f"{side}_input_ids"] = layout["input_ids"][rows]
+        batch[f"{side}_attention_mask"] = layout["attention_mask"][rows]
+        batch[f"{side}_labels"] = layout["labels"][rows]
+    return batch
+
+
+def _perturb_lora(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random LoRA B matrices, so that the policy differs from the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.5)
+
+
+def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _sequence_logps(peft_model, layout, labels: torch.Tensor) -> PairLogps:
+    """Ours: the trunk's hidden states, shifted, through the chunked lm_head path."""
+    causal_lm = peft_model.get_base_model()
+    hidden = causal_lm.model(
+        input_ids=layout["input_ids"], attention_mask=layout["attention_mask"], use_cache=False
+    ).last_hidden_state
+    shifted = labels[:, 1:]
+    logps = answer_logps(hidden[:, :-1], causal_lm.lm_head.weight, shifted, chunk_size=8)
+    return PairLogps.from_batch(logps, answer_token_counts(shifted))
+
+
+def _ours(peft_model, layout, loss: PreferenceLoss, orpo_sequence_nll: bool = False):
+    """Our loss and per-batch metrics on ``layout``, the reference being the adapter switched off."""
+    reference = None
+    if loss.needs_reference:
+        with torch.no_grad(), peft_model.disable_adapter():
+            reference = _sequence_logps(peft_model, layout, layout["labels"])
+    policy = _sequence_logps(peft_model, layout, layout["labels"])
+    nll = None
+    if orpo_sequence_nll:  # TRL's ORPO takes the NLL over the whole chosen sequence, prompt included
+        whole = _sequence_logps(peft_model, layout, layout["sequence_labels"])
+        nll = whole.chosen_nll()
+    value, metrics = loss(policy, reference, chosen_nll=nll)
+    return value, mean_metrics(metrics)
+
+
+def _trl_dataset():
+    from datasets import Dataset
+
+    prompts, chosen, rejected = zip(*PAIRS, strict=True)
+    return Dataset.from_dict({"prompt": list(prompts), "chosen": list(chosen), "rejected": list(rejected)})
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+
+
+def _load(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+
+
+def _dpo_trainer(tiny_model_dir, tokenizer, tmp_path, **config):
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        precompute_ref_log_probs=False,
+        per_device_train_batch_size=len(PAIRS),
+        **config,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DPOTrainer(
+            model=_load(tiny_model_dir),
+            args=args,
+            train_dataset=_trl_dataset(),
+            processing_class=tokenizer,
+            peft_config=_lora_config(),
+        )
+    trainer.model.train()
+    return trainer
+
+
+def _compare(trl_loss, trl_metrics, trl_grads, ours_loss, ours_metrics, ours_grads, names):
+    torch.testing.assert_close(ours_loss, trl_loss.detach(), **TOLERANCE)
+    for name in names:
+        assert ours_metrics[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6), name
+    assert trl_grads.keys() == ours_grads.keys() and trl_grads
+    for name, grad in trl_grads.items():
+        torch.testing.assert_close(ours_grads[name], grad, **TOLERANCE)
+
+
+DPO_CASES = {
+    "sigmoid": (dict(loss_type=["sigmoid"], beta=0.1), PreferenceLoss("dpo", beta=0.1)),
+    "ipo": (dict(loss_type=["ipo"], beta=0.3), PreferenceLoss("ipo", beta=0.3)),
+    "rpo": (
+        dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.7], beta=0.2),
+        PreferenceLoss("dpo", beta=0.2, rpo_alpha=0.7),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DPO_CASES)
+def test_dpo_matches_trl_dpo_trainer(case, tiny_model_dir, tokenizer, pair_ids, tmp_path):
+    trl_config, ours_loss = DPO_CASES[case]
+    trainer = _dpo_trainer(tiny_model_dir, tokenizer, tmp_path, **trl_config)
+    model = trainer.model
+    _perturb_lora(model)
+    layout = _layout(pair_ids, tokenizer.pad_token_id)
+
+    trl_inputs = {k: layout[k] for k in ("input_ids", "attention_mask", "completion_mask")}
+    trl_loss = trainer._compute_loss(model, trl_inputs, return_outputs=False)
+    trl_loss.backward()
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    trl_grads = _lora_grads(model)
+
+    loss, metrics = _ours(model, layout, ours_loss)
+    loss.backward()
+    assert 0 < metrics["rewards/accuracies"] < 1 or case == "ipo"  # a batch that tells the pairs apart
+    _compare(
+        trl_loss, trl_metrics, trl_grads, loss, metrics, _lora_grads(model), REWARD_METRICS + LOGPS_METRICS
+    )
+
+
+def _experimental_trainer(kind: str, tiny_model_dir, tokenizer, tmp_path, **config):
+    if kind == "cpo":
+        from trl.experimental.cpo import CPOConfig as Config
+        from trl.experimental.cpo import CPOTrainer as Trainer
+    else:
+        from trl.experimental.orpo import ORPOConfig as Config
+        from trl.experimental.orpo import ORPOTrainer as Trainer
+    args = Config(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=128, **config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Trainer(
+            model=_load(tiny_model_dir),
+            args=args,
+            train_dataset=_trl_dataset(),
+            processing_class=tokenizer,
+            peft_config=_lora_config(),
+        )
+    trainer.model.train()
+    return trainer
+
+
+EXPERIMENTAL_CASES = {
+    "simpo": (
+        "cpo",
+        dict(loss_type="simpo", beta=2.0, simpo_gamma=0.6, cpo_alpha=0.0),
+        PreferenceLoss("simpo", beta=2.0, gamma=0.6),
+    ),
+    "simpo-smoothed-nll": (
+        "cpo",
+        dict(loss_type="simpo", beta=2.0, simpo_gamma=0.6, label_smoothing=0.2, cpo_alpha=0.4),
+        PreferenceLoss("simpo", beta=2.0, gamma=0.6, label_smoothing=0.2, rpo_alpha=0.4),
+    ),
+    # CPO's sigmoid is DPO with a zero reference: conservative DPO's label smoothing, as TRL writes it
+    "cdpo": (
+        "cpo",
+        dict(loss_type="sigmoid", beta=0.1, label_smoothing=0.25, cpo_alpha=0.0),
+        PreferenceLoss("dpo", beta=0.1, label_smoothing=0.25),
+    ),
+    "orpo": ("orpo", dict(beta=0.3), PreferenceLoss("orpo", beta=0.3)),
+}
+
+
+@pytest.mark.parametrize("case", EXPERIMENTAL_CASES)
+def test_matches_trl_cpo_and_orpo_trainers(case, tiny_model_dir, tokenizer, pair_ids, tmp_path):
+    kind, trl_config, ours_loss = EXPERIMENTAL_CASES[case]
+    trainer = _experimental_trainer(kind, tiny_model_dir, tokenizer, tmp_path, **trl_config)
+    model = trainer.model
+    _perturb_lora(model)
+    layout = _layout(pair_ids, tokenizer.pad_token_id)
+
+    trl_loss, trl_metrics = trainer.get_batch_loss_metrics(model, _pair_batch(layout))
+    trl_loss.backward()
+    trl_grads = _lora_grads(model)
+
+    if case == "cdpo":  # a zero reference: the policy's own log-probs, minus nothing
+        policy = _sequence_logps(model, layout, layout["labels"])
+        zero = PairLogps(
+            *(torch.zeros_like(t) for t in (policy.chosen, policy.rejected)),
+            policy.chosen_tokens,
+            policy.rejected_tokens,
+        )
+        loss, per_pair = ours_loss(policy, zero)
+        metrics = mean_metrics(per_pair)
+    else:
+        loss, metrics = _ours(model, layout, ours_loss, orpo_sequence_nll=kind == "orpo")
+    loss.backward()
+    names = REWARD_METRICS + LOGPS_METRICS
+    if kind == "orpo":
+        names += ("log_odds_ratio", "log_odds_chosen", "nll_loss")
+    if ours_loss.rpo_alpha:
+        names += ("nll_loss",)
+    _compare(trl_loss, trl_metrics, trl_grads, loss, metrics, _lora_grads(model), names)
+
+
+# ---------------------------------------------------------------------------- step 0
+
+
+def test_first_step_is_ln2_with_zero_rewards(tiny_model_dir, pair_ids, tokenizer):
+    """Fresh LoRA (B = 0) against the same model with the adapter off: exactly ln 2 and 0 rewards."""
+    from peft import get_peft_model
+
+    model = get_peft_model(_load(tiny_model_dir), _lora_config())
+    layout = _layout(pair_ids, tokenizer.pad_token_id)
+    loss, metrics = _ours(model, layout, PreferenceLoss("dpo", beta=0.1))
+    assert loss.item() == pytest.approx(math.log(2), rel=1e-7)
+    assert metrics["rewards/chosen"] == metrics["rewards/rejected"] == metrics["rewards/margins"] == 0.0
+    assert metrics["rewards/accuracies"] == 0.0
+    _perturb_lora(model)  # the property can fail: a trained adapter moves both
+    loss, metrics = _ours(model, layout, PreferenceLoss("dpo", beta=0.1))
+    assert metrics["rewards/chosen"] != 0.0 and loss.item() != pytest.approx(math.log(2))
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="needs reference"):
+        logps = torch.tensor([-1.0, -2.0])
+        PreferenceLoss("dpo")(PairLogps(logps, logps, torch.ones(2), torch.ones(2)))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        PreferenceLoss("ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="kind"):
+        PreferenceLoss("kto")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        answer_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.tensor([[1, 7]]))
