@@ -7,6 +7,7 @@ from lit_instruct.callbacks.layer_profiler import LayerProfiler
 from lit_instruct.callbacks.loss_curves import LossCurves
 from lit_instruct.callbacks.nonfinite import NonFiniteTrainingError, SkipNonFiniteSteps
 from lit_instruct.callbacks.plain_progress import PlainProgress
+from lit_instruct.callbacks.sample_scores import SampleScores
 
 __all__ = [
     "AdapterCheckpoint",
@@ -16,5 +17,6 @@ __all__ = [
     "LossCurves",
     "NonFiniteTrainingError",
     "PlainProgress",
+    "SampleScores",
     "SkipNonFiniteSteps",
 ]

@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_instruct.callbacks import GenerationPreview, SkipNonFiniteSteps
+from lit_instruct.callbacks import GenerationPreview, SampleScores, SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.distributed import local_tensor
 from lit_instruct.models.lora import LoRAConfig
@@ -68,7 +68,8 @@ def validation_setup(args: dict) -> tuple[InstructLoRAModule, InstructDataModule
 
 
 def validate(args: dict) -> None:
-    """``trainer.validate`` on 2 ranks; each rank saves the logged metrics."""
+    """``trainer.validate`` on 2 ranks, with 3 samples scored (2 on rank 0, 1 on rank 1); each rank
+    saves the logged metrics."""
     module, data = validation_setup(args)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -78,6 +79,7 @@ def validate(args: dict) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=args["out"],
+        callbacks=[SampleScores(num_samples=3, max_new_tokens=4)],
     )
     metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
     torch.save({k: float(v) for k, v in metrics.items()}, Path(args["out"]) / f"rank{trainer.global_rank}.pt")

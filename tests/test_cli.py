@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import re
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from lit_instruct.cli import InstructCLI, main
 from lit_instruct.model_names import prepare_smollm2
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.packing import PACKED_ATTENTION, attention_implementation
+from tests import wandb_reader
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -93,6 +95,8 @@ def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_
         "0.2",
         "--data.eval_batch_size",
         "4",
+        "--trainer.callbacks.max_new_tokens",  # SampleScores (the last callback): 4 short answers
+        "8",
     ]
     with caplog.at_level("INFO"):
         main(args)
@@ -104,6 +108,18 @@ def test_fit_on_the_real_model_reports_before_and_after(smollm2_path: Path, tmp_
     assert adapters == [Path("version_0/adapter"), Path("version_0/checkpoints/epoch=0-step=2-adapter")]
     assert (tmp_path / "version_0" / "loss_curves.png").is_file()
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    # SampleScores (on in the quickstart): scores on metrics.csv's validation rows (before fit, after
+    # step 2: logged at steps 0 and 1), the samples in samples.md and as a growing W&B table
+    with open(tmp_path / "version_0" / "metrics.csv", encoding="utf-8") as rows:
+        validations = [row for row in csv.DictReader(rows) if row["val/loss"]]
+    assert [row["step"] for row in validations] == ["0", "1"]
+    for row in validations:
+        assert all(0 <= float(row[f"val/gen/{key}"]) <= 1 for key in ("rougeL", "chrf", "exact_match"))
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    history = wandb_reader.settled_history(run_file, "val/samples/path", rows=2)
+    sizes = [row["val/samples/nrows"] for row in history if "val/samples/path" in row]
+    assert len(sizes) == 2 and 1 <= sizes[0] <= 4 and sizes[1] == 2 * sizes[0]
+    assert (tmp_path / "version_0" / "samples.md").read_text().count("### sample ") == sizes[1]
 
 
 @pytest.mark.parametrize("name", ["lora.yaml", pytest.param("qlora.yaml", marks=pytest.mark.slow)])
@@ -196,3 +212,33 @@ def test_a_root_folder_from_the_command_line_holds_what_the_run_writes(tmp_path:
         ]
         assert len(folders) == len(moved) and all(f.startswith(str(tmp_path / "elsewhere")) for f in folders)
         assert str(data) in [s.path for s in cli.datamodule.sources]
+
+
+def test_the_bare_command_lists_every_command(capsys) -> None:
+    from lit_instruct.cli import COMMANDS, LIGHTNING_COMMANDS
+
+    main([])
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert sorted(listed) == sorted([*COMMANDS, *LIGHTNING_COMMANDS])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["fitt"], "lit-instruct: 'fitt' is no command; the commands are fit, validate, check"),
+        (
+            ["fit", "--data.batch_size", "abc"],
+            'lit-instruct: config error: Parser key "data.batch_size": Expected',
+        ),
+        (
+            ["fit", "--trainer.no_such", "3"],
+            "lit-instruct: config error: unrecognized arguments: --trainer.no_such",
+        ),
+    ],
+)
+def test_a_command_line_mistake_is_one_line_with_status_2(argv: list[str], expected: str, capsys) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(expected), err

@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 
+from lit_instruct.callbacks import SampleScores
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.even_shards import EvenShards, UncountedPadding
 from lit_instruct.labels import IGNORE_INDEX
@@ -62,10 +63,16 @@ def test_validation_on_two_processes_equals_one(
     ranks = run_ddp_fit(args)
     module, data = validation_setup(args)
     one = L.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path / "one",  # where samples.md goes
+        callbacks=[SampleScores(num_samples=3, max_new_tokens=4)],  # as the ranks: their shares, reduced
     )
     expected = {k: float(v) for k, v in one.validate(module, datamodule=data, verbose=False)[0].items()}
-    assert {"val/loss", "val/tokens", "val/loss/a", "val/loss/b"} <= set(expected)
+    assert {"val/loss", "val/tokens", "val/loss/a", "val/loss/b", "val/gen/chrf"} <= set(expected)
     for metrics in ranks:
         assert metrics.keys() == expected.keys()
         for key, value in expected.items():

@@ -1,5 +1,6 @@
 """What a fit did, said in the terminal and the loggers: the model's size at the start, the totals at
-the end (steps, tokens, time, best ``val/loss`` and its checkpoint, the adapter and how to try it).
+the end (steps, tokens, time, best ``val/loss`` and its checkpoint, the time callbacks spent on work
+of their own, the adapter and how to try it).
 
 Installed by :class:`~lit_instruct.train.module.InstructLoRAModule` itself (``configure_callbacks``).
 """
@@ -10,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -20,6 +22,21 @@ from typing_extensions import override
 from lit_instruct.models.load import parameter_bytes
 
 
+def logged_step(trainer: L.Trainer) -> int:
+    """The step the loggers give what is logged now (the ``step`` column of ``metrics.csv``): the
+    optimizer steps finished before the current one, so a validation after step ``n`` is logged at
+    ``n - 1``. Lightning's own callbacks (``LearningRateMonitor``) read the same counter."""
+    return int(getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step))
+
+
+@runtime_checkable
+class FitCost(Protocol):
+    """A callback that spends fit time on work of its own (generating samples, say), which the report
+    shows: ``fit_cost()`` returns what the work is and its seconds in the current fit (0: no line)."""
+
+    def fit_cost(self) -> tuple[str, float]: ...
+
+
 @dataclass
 class FitTotals:
     """What a fit went through, counted over all ranks."""
@@ -28,7 +45,7 @@ class FitTotals:
     tokens: int
     response_tokens: int
     best_val_loss: float | None
-    best_val_step: int | None
+    best_val_step: int | None  # as the loggers show it (:func:`logged_step`)
 
 
 def _duration(seconds: float) -> str:
@@ -60,7 +77,12 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
             best += f" (adapter: {best_adapter(checkpoint.best_model_path)})"
         lines.append(best)
     elif totals.best_val_loss is not None:
-        lines.append(f"  best val/loss {totals.best_val_loss:.4f} at step {totals.best_val_step}")
+        lines.append(f"  best val/loss {totals.best_val_loss:.4f} at step {totals.best_val_step} (as logged)")
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
+        what, seconds = callback.fit_cost() if isinstance(callback, FitCost) else ("", 0.0)
+        if seconds > 0:  # it did work in this fit
+            share = seconds / max(totals.seconds, 1e-9)
+            lines.append(f"  {what}: {seconds:.1f} s ({share:.1%} of the fit)")
     if adapter is not None:
         lines.append(f"  adapter: {adapter}")
         lines.append(
@@ -89,8 +111,9 @@ def command_as_typed() -> str:
 
 class FitReport(L.Callback):
     """At fit start: trainable and total parameters, base weight bytes (``model/*`` metrics too).
-    During fit: the best ``val/loss``. After fit (once the module has written its adapter): the
-    summary of :func:`fit_summary`.
+    During fit: the best ``val/loss``, at the step the loggers show it. After fit (once the module has
+    written its adapter): the summary of :func:`fit_summary`, with the time of each :class:`FitCost`
+    callback.
 
     Reads the module's ``model`` (PEFT), ``tokens_seen``, ``response_tokens_seen`` and
     ``saved_adapter``, as :class:`~lit_instruct.train.module.InstructLoRAModule` has them.
@@ -129,7 +152,7 @@ class FitReport(L.Callback):
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or loss is None:
             return
         if self.best_val is None or float(loss) < self.best_val[0]:
-            self.best_val = (float(loss), trainer.global_step)
+            self.best_val = (float(loss), logged_step(trainer))
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
