@@ -8,27 +8,31 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import yaml
 from jsonargparse import Namespace
+from jsonargparse._common import debug_mode_active
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_instruct.adapter_folder import adapter_chat_template
 from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
+from lit_instruct.callbacks.terminal_progress import readable_bar
 from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError
-from lit_instruct.adapter_folder import adapter_chat_template
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
 from lit_instruct.preflight import check_config
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.module import InstructLoRAModule
+from lit_instruct.train.preference_module import PreferenceLoRAModule
 from lit_instruct.train.trainer import InstructTrainer
 
 
@@ -50,6 +54,18 @@ def redact_namespace(config: Namespace) -> Namespace:
     return config
 
 
+def yaml_plain(value: Any) -> Any:
+    """``value`` in YAML's own types, as ``hparams.yaml`` and W&B then show it: tuples as lists, paths
+    and other objects as their text (no ``!!python/tuple`` or ``!!python/object`` tags)."""
+    if isinstance(value, dict):
+        return {key: yaml_plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [yaml_plain(item) for item in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
 class ConfigToLoggers(SaveConfigCallback):
     """Writes ``config.yaml`` to the log directory and logs the full resolved config as the run
     config of every logger (``config`` in W&B), both with secrets redacted."""
@@ -59,13 +75,50 @@ class ConfigToLoggers(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        config = self.config.as_dict()
+        config = yaml_plain(self.config.as_dict())
         for logger in trainer.loggers:
             logger.log_hyperparams({"config": config})
 
 
 LAUNCH_SETTINGS = ("low_memory_load",)
 """Module settings that describe a launch (how its ranks load the base), not the model trained."""
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """A parser whose error is one line naming the setting, the value and what was expected, and
+    where the settings are listed (not the ~100 lines of usage before it); exit status 2."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or debug_mode_active():
+            super().error(message, ex)
+        prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
+        line = " ".join(message.split())
+        sys.stderr.write(f"lit-instruct: config error: {line} (`{prog} --help` lists the settings)\n")
+        raise SystemExit(2)
+
+
+def preference_requested(args: list[str] | Mapping[str, Any] | None) -> bool:
+    """Whether the command line asks for preference training: ``model.preference`` set in a
+    ``--config`` file or as ``--model.preference...`` (the classes are chosen before parsing, so that
+    every other config keeps :class:`InstructLoRAModule` and :class:`InstructDataModule`)."""
+    if isinstance(args, Mapping):
+        return "preference" in (args.get("model") or {})
+    argv = list(sys.argv[1:] if args is None else args)
+    for index, arg in enumerate(argv):
+        if arg.startswith("--model.preference"):
+            return True
+        path = arg.removeprefix("--config=") if arg.startswith("--config=") else None
+        if arg == "--config" and index + 1 < len(argv):
+            path = argv[index + 1]
+        if path is not None and Path(path).is_file():
+            try:
+                config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            except yaml.YAMLError:
+                continue  # the parser reports it
+            model = config.get("model") if isinstance(config, dict) else None
+            if isinstance(model, dict) and "preference" in model:
+                return True
+    return False
 
 
 class InstructCLI(LightningCLI):
@@ -81,7 +134,11 @@ class InstructCLI(LightningCLI):
         kwargs.setdefault("seed_everything_default", 42)
         kwargs.setdefault("save_config_callback", ConfigToLoggers)
         kwargs.setdefault("trainer_class", InstructTrainer)
-        super().__init__(InstructLoRAModule, InstructDataModule, **kwargs)
+        kwargs.setdefault("parser_class", OneLineErrorParser)
+        if preference_requested(kwargs.get("args")):  # DPO & co: the same settings, and model.preference
+            super().__init__(PreferenceLoRAModule, PreferenceDataModule, **kwargs)
+        else:
+            super().__init__(InstructLoRAModule, InstructDataModule, **kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -183,14 +240,16 @@ class InstructCLI(LightningCLI):
 
     def data_module(self) -> InstructDataModule:
         """The datamodule the parsed config describes, built alone (no model)."""
-        return InstructDataModule(**self._get(self.config, "data").as_dict())
+        data_class = self.datamodule_class  # InstructDataModule, or PreferenceDataModule
+        assert isinstance(data_class, type) and issubclass(data_class, InstructDataModule)
+        return data_class(**self._get(self.config, "data").as_dict())
 
     def instantiate_trainer(self, **kwargs: Any) -> L.Trainer:
         """The configured Trainer, saving checkpoints atomically and loading them ``weights_only``
         (:class:`SafeCheckpointIO`, unless another checkpoint IO is configured), stopping gracefully
         on Ctrl-C (:class:`GracefulInterrupt`), and printing plain progress lines every
         ``log_every_n_steps`` instead of a progress bar when stdout is no terminal
-        (:class:`PlainProgress`)."""
+        (:class:`PlainProgress`), on a terminal Lightning's bar made readable (:func:`readable_bar`)."""
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
@@ -202,6 +261,8 @@ class InstructCLI(LightningCLI):
             callbacks.remove(bar)
             every = getattr(trainer, "log_every_n_steps", 10)  # set by Lightning at init, undeclared
             callbacks.append(PlainProgress(every_n_steps=max(1, every)))
+        elif bar is not None:
+            callbacks[callbacks.index(bar)] = readable_bar(bar)
         return trainer
 
     def _val(self) -> dict[str, float]:
@@ -222,7 +283,14 @@ class InstructCLI(LightningCLI):
         if self.model.last_val_step != self.trainer.global_step:
             self._val()
         after = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-        if "val/loss" in after:
+        if "val/loss" in after and "val/ppl" not in after:  # preference training: loss over pairs
+            rank_zero_info(
+                f"lit-instruct: val/loss {self.before['val/loss']:.4f} -> {after['val/loss']:.4f}, "
+                f"val/rewards/accuracies {self.before.get('val/rewards/accuracies', float('nan')):.3f} -> "
+                f"{after.get('val/rewards/accuracies', float('nan')):.3f} over {int(after['val/pairs'])} "
+                f"held-out pairs, after {self.trainer.global_step} steps"
+            )
+        elif "val/loss" in after:
             rank_zero_info(
                 f"lit-instruct: val/loss {self.before['val/loss']:.4f} -> {after['val/loss']:.4f}, "
                 f"val/ppl {self.before['val/ppl']:.2f} -> {after['val/ppl']:.2f} "
@@ -285,17 +353,29 @@ def inspect_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
         prog="lit-instruct inspect", description=inspect_main.__doc__, add_help=False
     )
-    parser.add_argument("--samples", type=int, default=3, help="samples shown per source (default 3)")
-    parser.add_argument("--html", help="also write the report as one self-contained HTML page here")
+    parser.add_argument("--samples", type=int, default=3, metavar="N", help="samples per source (default 3)")
+    parser.add_argument("--html", metavar="report.html", help="also write the report as one HTML page here")
+    if "-h" in argv or "--help" in argv:  # LightningCLI's help lists every setting of fit: 800 lines
+        parser.add_argument("--config", metavar="X.yaml", help="fit's config; more than one: later ones win")
+        parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+        fit_help = "see `lit-instruct fit --help`"  # one line, unlike an epilog argparse would wrap
+        sys.stdout.write(
+            f"{parser.format_help()}\nall of fit's --data.* / --model.* settings are accepted; {fit_help}\n"
+        )
+        return
     args, rest = parser.parse_known_args(argv)
     with warnings.catch_warnings():  # Lightning warns when args are given while sys.argv has some
         warnings.filterwarnings("ignore", "LightningCLI's args parameter")
         data = DataOnlyCLI(args=rest, run=False).datamodule
     prepared = data.prepare_samples()
     tokenizer = data.load_tokenizer()
+    train, val, shown = prepared.train, prepared.val, args.samples
+    if isinstance(data, PreferenceDataModule):  # each pair as two samples: its chosen, then its rejected
+        data.prepared = prepared
+        train, val, shown = data.pairs("train").samples(), data.pairs("val").samples(), 2 * shown
     reports = [
-        *source_reports("train", prepared.train, prepared.counts["train"], args.samples),
-        *source_reports("val", prepared.val, prepared.counts["val"], args.samples),
+        *source_reports("train", train, prepared.counts["train"], shown),
+        *source_reports("val", val, prepared.counts["val"], shown),
     ]
     sys.stdout.write(terminal_text(reports, tokenizer, colour=sys.stdout.isatty()))
     if args.html:
@@ -326,9 +406,9 @@ def check_paths(args: argparse.Namespace) -> None:
     """``--adapter``, ``--model`` / ``--base`` and ``--chat-template`` (a file's text, Jinja or a
     built-in name) of ``export``, ``generate``, ``eval`` and ``chat``, checked before anything loads
     (a mistake is one line, exit 2)."""
-    from lit_instruct.templates import template_text
     from lit_instruct.preflight.adapter_fit import check_adapter_folder
     from lit_instruct.preflight.model_source import model_source
+    from lit_instruct.templates import template_text
 
     if getattr(args, "adapter", None):
         check_adapter_folder(args.adapter, "--adapter")
@@ -442,7 +522,7 @@ def generate_main(argv: list[str]) -> None:
 
 def eval_main(argv: list[str]) -> None:
     """``lit-instruct eval``: token-weighted loss and perplexity of an adapter on held-out files."""
-    from lit_instruct.infer.evaluate import evaluate, load_adapter_module, write_answers
+    from lit_instruct.infer.evaluate import evaluate, load_adapter_module, results_table, write_answers
 
     parser = argparse.ArgumentParser(prog="lit-instruct eval", description=eval_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")
@@ -452,21 +532,22 @@ def eval_main(argv: list[str]) -> None:
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--chat-template", help=TEMPLATE_HELP)
-    parser.add_argument("--answers", help="write each record's prompt, reference and answer to this JSONL")
+    parser.add_argument(
+        "--answers",
+        help="write each record's prompt, reference and answer to this JSONL (progress on stderr)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
     check_paths(args)
     args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
     module = load_adapter_module(args.adapter, args.model)  # once, for the numbers and the answers
     results = evaluate(module, args.data, args.base, args.max_seq_len, args.batch_size, args.chat_template)
-    names = sorted({k for metrics in results.values() for k in metrics if k.startswith("val/loss")})
-    sys.stdout.write(f"{'':<10}" + "".join(f"{n:>22}" for n in [*names, "val/ppl", "val/tokens"]) + "\n")
-    for label, metrics in results.items():
-        values = [metrics.get(n, float("nan")) for n in [*names, "val/ppl"]]
-        row = "".join(f"{v:>22.4f}" for v in values) + f"{int(metrics['val/tokens']):>22d}"
-        sys.stdout.write(f"{label:<10}{row}\n")
+    sys.stdout.write(results_table(results))
+    sys.stdout.flush()  # the table shows before the answers' progress (stderr) begins
     if args.answers:
-        out = write_answers(module, args.data, args.answers, args.max_new_tokens, args.chat_template)
+        out = write_answers(
+            module, args.data, args.answers, args.max_new_tokens, args.chat_template, progress=sys.stderr
+        )
         sys.stdout.write(f"answers written to {out}\n")
 
 
@@ -474,10 +555,10 @@ def chat_main(argv: list[str]) -> None:
     """``lit-instruct chat``: a multi-turn chat in the terminal, answers streamed."""
     from transformers import TextStreamer
 
-    from lit_instruct.infer.chat import ChatSession, run_chat
+    from lit_instruct.infer.chat import KEYS, ChatSession, run_chat, terminal_reader
     from lit_instruct.infer.generate import load_for_generation
 
-    parser = argparse.ArgumentParser(prog="lit-instruct chat", description=chat_main.__doc__)
+    parser = argparse.ArgumentParser(prog="lit-instruct chat", description=chat_main.__doc__, epilog=KEYS)
     parser.add_argument(
         "--model", help="bundled name, folder or hub id (default: the adapter's base, else SmolLM2)"
     )
@@ -492,9 +573,8 @@ def chat_main(argv: list[str]) -> None:
     model, tokenizer = load_for_generation(args.model, args.adapter)
     context = args.context_length or getattr(model.config, "max_position_embeddings", 2048)
     session = ChatSession(model, tokenizer, context, args.max_new_tokens, args.chat_template, args.system)
-    run_chat(
-        session, sys.stdin, sys.stdout, TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    )
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    run_chat(session, terminal_reader(), sys.stdout, streamer)
 
 
 COMMANDS = {
@@ -506,6 +586,24 @@ COMMANDS = {
     "eval": eval_main,
     "chat": chat_main,
 }
+
+
+OVERVIEW = """lit-instruct: instruction fine-tuning of causal LMs with LoRA and QLoRA, on Lightning
+
+  fit        train an adapter              lit-instruct fit --config configs/quickstart.yaml
+  validate   val/loss of a model on data   lit-instruct validate --config configs/lora.yaml
+  check      every check fit makes before it loads weights (settings, pairs, model, data)
+  inspect    the data as fit renders it, trained tokens marked (--html for a page)
+  prepare    convert the bundled model into the cache folder
+  export     a clean PEFT folder, a merged model (--merge), GGUF for llama.cpp/Ollama (--gguf)
+  generate   answer one prompt with an adapter
+  chat       a multi-turn chat in the terminal
+  eval       loss and perplexity of an adapter on held-out files (--answers: its answers)
+
+`lit-instruct COMMAND --help` shows a command's settings; docs: README.md and docs/ in the repository.
+"""
+"""What ``lit-instruct`` alone (or ``--help``) prints."""
+LIGHTNING_COMMANDS = ("fit", "validate")
 
 
 def _added_tokens(data: InstructDataModule) -> list[str]:
@@ -524,8 +622,15 @@ def main(argv: list[str] | None = None) -> None:
     command = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in command or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     command = [arg for arg in command if arg != "--debug"]
+    if not command or command[0] in ("-h", "--help"):
+        sys.stdout.write(OVERVIEW)
+        return
+    if not command[0].startswith("-") and command[0] not in (*COMMANDS, *LIGHTNING_COMMANDS):
+        known = ", ".join((*LIGHTNING_COMMANDS, *COMMANDS))
+        sys.stderr.write(f"lit-instruct: {command[0]!r} is no command; the commands are {known}\n")
+        raise SystemExit(2)
     try:
-        if command[:1] and command[0] in COMMANDS:
+        if command[0] in COMMANDS:
             COMMANDS[command[0]](command[1:])
         else:
             with warnings.catch_warnings():  # args are given (``--debug`` left out) while sys.argv has some

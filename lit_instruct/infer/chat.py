@@ -5,17 +5,66 @@ Prompts are rendered with the template training used
 context: when the rendered conversation plus the answer's token budget would not fit, the oldest
 exchanges are left out (the system prompt stays). Commands: ``/reset`` forgets the history,
 ``/system TEXT`` sets the system prompt (and resets), ``/exit`` ends.
+
+Keys: Ctrl-C during an answer stops it and returns to the prompt; the part shown stays in the
+conversation (an answer stopped before its first token is dropped with its message). Ctrl-C or Ctrl-D
+at the prompt ends the chat (exit status 0). On a terminal the prompt has line editing and this
+session's history (``readline``: arrow keys, Ctrl-R); no history file is written.
+
+Generation runs in the calling (main) thread, streaming through a streamer called between decoding
+steps, so the KeyboardInterrupt of Ctrl-C is raised there: no background thread is left running.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TextIO
 
-from lit_instruct.templates import resolve_chat_template
 from lit_instruct.infer.generate import generate
+from lit_instruct.templates import resolve_chat_template
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit"
+KEYS = (
+    "Ctrl-C stops an answer (the part shown stays in the conversation); "
+    "Ctrl-C or Ctrl-D at the prompt ends the chat"
+)
+PROMPT = "> "
+
+Reader = Callable[[str], str]
+"""Reads one line like :func:`input`: shows the prompt, returns the line, raises EOFError at the end."""
+
+
+class AnswerStopped(KeyboardInterrupt):
+    """Ctrl-C stopped an answer; ``answer`` is the part produced before it ('' if none)."""
+
+    def __init__(self, answer: str) -> None:
+        super().__init__(answer)
+        self.answer = answer
+
+
+class _AnswerTokens:
+    """A streamer that keeps the answer's token ids (everything after the prompt) as generation
+    produces them, and passes every chunk on to ``then``."""
+
+    def __init__(self, then: Any = None) -> None:
+        self.then = then
+        self.ids: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        """Called by ``generate``: first with the prompt, then with each new token."""
+        if self._prompt_seen:
+            self.ids.extend(value.reshape(-1).tolist())
+        self._prompt_seen = True
+        if self.then is not None:
+            self.then.put(value)
+
+    def end(self) -> None:
+        """Called by ``generate`` at the end (and by :meth:`ChatSession.reply` when stopped)."""
+        if self.then is not None:
+            self.then.end()
 
 
 class ChatSession:
@@ -74,45 +123,112 @@ class ChatSession:
         )
 
     def reply(self, user: str, streamer: Any = None, temperature: float = 0.0) -> str:
-        """Answer ``user`` and remember the exchange."""
+        """Answer ``user`` and remember the exchange.
+
+        Raises:
+            AnswerStopped: on Ctrl-C (KeyboardInterrupt) during generation, after remembering the
+                exchange with the answer's part so far, or forgetting it when there is no part yet.
+        """
         messages = self.messages(user)
-        answer = generate(
-            self.model,
-            self.tokenizer,
-            messages,
-            max_new_tokens=self.max_new_tokens,
-            temperature=temperature,
-            chat_template=self.chat_template,
-            streamer=streamer,
-        )
+        tokens = _AnswerTokens(streamer)
+        try:
+            answer = generate(
+                self.model,
+                self.tokenizer,
+                messages,
+                max_new_tokens=self.max_new_tokens,
+                temperature=temperature,
+                chat_template=self.chat_template,
+                streamer=tokens,
+            )
+        except KeyboardInterrupt:
+            tokens.end()  # the streamer shows what it held back, and is ready for the next answer
+            partial = self.tokenizer.decode(tokens.ids, skip_special_tokens=True)
+            if partial:
+                self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": partial}]
+            raise AnswerStopped(partial) from None
         self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         return answer
 
 
-def run_chat(session: ChatSession, lines: Iterable[str], out: TextIO, streamer: Any = None) -> None:
-    """Read user lines and commands from ``lines``; write answers (streamed) and notes to ``out``."""
-    out.write(f"{HELP}\n> ")
-    out.flush()
-    for raw in lines:
-        line = raw.strip()
-        if line == "/exit":
-            break
-        if line == "/reset":
-            session.history = []
-            out.write("(conversation cleared)\n")
-        elif line.startswith("/system"):
-            session.system = line.removeprefix("/system").strip() or None
-            session.history = []
-            out.write(f"(system prompt {'set' if session.system else 'removed'}; conversation cleared)\n")
-        elif line.startswith("/"):
-            out.write(f"(unknown command {line.split()[0]}; {HELP})\n")
-        elif line:
-            try:
-                answer = session.reply(line, streamer=streamer)
-                if streamer is None:
-                    out.write(answer + "\n")
-            except ValueError as error:
-                out.write(f"({error})\n")
-        out.write("> ")
+def terminal_reader() -> Reader:
+    """:func:`input`, with line editing and this session's history when stdin is a terminal and
+    Python has ``readline`` (not on Windows); no history file is read or written."""
+    if sys.stdin.isatty():
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  # importing it is what gives input() editing and history
+    return input
+
+
+def scripted_reader(lines: Iterable[str], out: TextIO) -> Reader:
+    """A :data:`Reader` over ``lines`` (scripts, tests): each prompt written to ``out``, EOFError after
+    the last line; an exception the iterator raises (KeyboardInterrupt) reaches the caller."""
+    remaining = iter(lines)
+
+    def read(prompt: str) -> str:
+        out.write(prompt)
         out.flush()
-    out.write("\n")
+        try:
+            return next(remaining)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
+
+
+def run_chat(session: ChatSession, read: Reader, out: TextIO, streamer: Any = None) -> None:
+    """Read user lines and commands with ``read`` (:func:`terminal_reader`, :func:`scripted_reader`);
+    write answers (streamed by ``streamer``, else whole) and notes to ``out``. Returns at ``/exit``,
+    at the end of input (Ctrl-D) and on Ctrl-C at the prompt; Ctrl-C during an answer stops only it."""
+    out.write(f"{HELP}\n{KEYS}\n")
+    try:
+        _converse(session, read, out, streamer)
+    except KeyboardInterrupt:  # a second Ctrl-C while the first was being handled
+        out.write("\n(chat ended)\n")
+    out.flush()
+
+
+def _converse(session: ChatSession, read: Reader, out: TextIO, streamer: Any) -> None:
+    """The loop of :func:`run_chat`: one line read and answered (or obeyed) per turn."""
+    while True:
+        try:
+            line = read(PROMPT).strip()
+        except EOFError:
+            out.write("\n")
+            return
+        except KeyboardInterrupt:
+            out.write("\n(chat ended)\n")
+            return
+        if line == "/exit":
+            out.write("\n")
+            return
+        try:
+            _answer_or_obey(session, line, out, streamer)
+        except AnswerStopped as stopped:
+            kept = "the part shown stays in the conversation" if stopped.answer else "the message is dropped"
+            line_end = "" if streamer is not None else "\n"  # a streamer ends the answer's line itself
+            out.write(f"{line_end}(answer stopped; {kept})\n")
+        except KeyboardInterrupt:  # before generation began
+            out.write("\n(stopped; the message is dropped)\n")
+        out.flush()
+
+
+def _answer_or_obey(session: ChatSession, line: str, out: TextIO, streamer: Any) -> None:
+    """Carry out a command, or answer a message (written whole when there is no ``streamer``)."""
+    if line == "/reset":
+        session.history = []
+        out.write("(conversation cleared)\n")
+    elif line.startswith("/system"):
+        session.system = line.removeprefix("/system").strip() or None
+        session.history = []
+        out.write(f"(system prompt {'set' if session.system else 'removed'}; conversation cleared)\n")
+    elif line.startswith("/"):
+        out.write(f"(unknown command {line.split()[0]}; {HELP})\n")
+    elif line:
+        try:
+            answer = session.reply(line, streamer=streamer)
+        except ValueError as error:
+            out.write(f"({error})\n")
+            return
+        if streamer is None:
+            out.write(answer + "\n")

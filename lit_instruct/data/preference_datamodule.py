@@ -1,0 +1,328 @@
+"""PreferenceDataModule: preference pairs read, split, rendered and batched as ``[chosen; rejected]``.
+
+The sources, the split, the tokenizer, the new tokens, the training order and its resume are
+:class:`~lit_instruct.data.datamodule.InstructDataModule`'s; what differs is what a record is (a
+:class:`~lit_instruct.data.preference.PreferenceRecord`, both layouts of TRL's), how it renders (a
+:class:`~lit_instruct.data.preference.PreferencePair` sharing its prompt's tokens, both answers cut
+alike) and how pairs batch (:class:`PairCollator`). Per split and source, the counts report
+``pairs``, ``truncated`` (pairs cut to ``max_seq_len``), ``response_tokens`` (both answers'
+labelled tokens), duplicates, drops and skips, as for SFT data.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+from torch.utils.data import DataLoader, Dataset
+
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.even_shards import EvenShards
+from lit_instruct.data.preference import (
+    PreferenceCollator,
+    PreferencePair,
+    PreferenceRecord,
+    PreferenceRenderer,
+    to_preference_record,
+)
+from lit_instruct.data.prepare import hold_out
+from lit_instruct.data.records import DataError, Record, map_columns
+from lit_instruct.data.sources import CHATTERBOT, DataSource, iter_source
+from lit_instruct.data.store import SampleStore
+from lit_instruct.data.validation import Rejects, check_vocabulary
+from lit_instruct.errors import ConfigError
+from lit_instruct.labels import IGNORE_INDEX
+
+
+class PairStore(Sequence[PreferencePair]):
+    """The pairs of one split, with the index of the source each came from (``names`` are the
+    sources'); ``lengths`` (both rows' tokens) order the sampler's length grouping."""
+
+    def __init__(self, parts: Sequence[tuple[int, Sequence[PreferencePair]]], names: Sequence[str]) -> None:
+        self.pairs = [pair for _, part in parts for pair in part]
+        self.names = list(names)
+        self.source_ids = np.array([index for index, part in parts for _ in part], dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.pairs[index]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per pair, chosen and rejected rows together."""
+        return np.array([len(p.chosen.input_ids) + len(p.rejected.input_ids) for p in self.pairs], np.int64)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Cumulative tokens (``offsets[-1]``: all of them), as a sample store has."""
+        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+    def samples(self) -> SampleStore:
+        """The pairs as samples, each pair's chosen then its rejected (what ``inspect`` shows)."""
+        parts = [
+            (int(index), [p.chosen, p.rejected]) for index, p in zip(self.source_ids, self.pairs, strict=True)
+        ]
+        return SampleStore.build(parts, self.names)
+
+    def counts_by_source(self) -> dict[str, int]:
+        """Pairs per source name, in source order."""
+        counts = np.bincount(self.source_ids, minlength=len(self.names))
+        return {name: int(n) for name, n in zip(self.names, counts, strict=True)}
+
+
+@dataclass
+class PreparedPairs:
+    """Train and validation pairs, counts per split and source, and the rejected records (what
+    :class:`~lit_instruct.data.prepare.PreparedData` holds for samples; pairs are not cached)."""
+
+    train: PairStore
+    val: PairStore
+    counts: dict[str, dict[str, Counter[str]]]
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    cached: bool = False
+    folder: Path | None = None
+
+    def totals(self, split: str) -> Counter[str]:
+        """The counts of ``split`` summed over sources."""
+        return sum(self.counts[split].values(), Counter())
+
+
+class UncountedPairs(Dataset):
+    """``pairs``, where a marked index (:func:`~lit_instruct.data.even_shards.padding_index`, the
+    repeats that even out the ranks) gives its pair with no label: it counts as no pair."""
+
+    def __init__(self, pairs: Sequence[PreferencePair]) -> None:
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> PreferencePair:
+        if index >= 0:
+            return self.pairs[index]
+        pair = self.pairs[-1 - index]
+        return replace(
+            pair,
+            chosen=replace(pair.chosen, labels=[IGNORE_INDEX] * len(pair.chosen.labels)),
+            rejected=replace(pair.rejected, labels=[IGNORE_INDEX] * len(pair.rejected.labels)),
+            truncated=False,
+        )
+
+
+class PairCollator(PreferenceCollator):
+    """:class:`PreferenceCollator`'s batch, plus ``pair_mask`` (``(P,)`` bool: the pairs that count,
+    not a rank's padding repeats) and ``num_counted_pairs``, counted here on the host."""
+
+    def __call__(self, pairs: Sequence[PreferencePair]) -> dict[str, Any]:
+        batch = super().__call__(pairs)
+        mask = (batch["labels"][: len(pairs), 1:] != IGNORE_INDEX).any(dim=1)
+        batch["pair_mask"] = mask
+        batch["num_counted_pairs"] = int(mask.sum())
+        return batch
+
+
+def _read_pairs(source: DataSource, rejects: Rejects, counts: Counter[str]) -> list[PreferenceRecord]:
+    """Every preference record of ``source`` (bad ones raise or are counted, per ``rejects``)."""
+    records = []
+    for raw in iter_source(source):
+        try:
+            if raw.error is not None:
+                raise raw.error
+            record = to_preference_record(map_columns(raw.value, source.columns, raw.source), raw.source)
+        except DataError as error:
+            rejects.handle(error, raw.text, counts)
+            continue
+        for name in record.unused:
+            counts[f"unused_field_{name}"] += 1
+        records.append(record)
+    return records
+
+
+def _drop_duplicates(
+    records: list[PreferenceRecord], seen: set[Any], counts: Counter[str]
+) -> list[PreferenceRecord]:
+    """Keep the first of identical pairs (``seen`` spans all sources)."""
+    unique = []
+    for record in records:
+        key = (record.chosen.key, record.rejected.key)
+        if key in seen:
+            counts["dropped_duplicate"] += 1
+            continue
+        seen.add(key)
+        unique.append(record)
+    return unique
+
+
+class PreferenceDataModule(InstructDataModule):
+    """Preference pairs (``prompt``/``chosen``/``rejected``, or ``chosen``/``rejected`` conversations
+    sharing all but their last turn) from the same sources as :class:`InstructDataModule`, with its
+    settings. Each micro-batch holds ``batch_size`` pairs: ``2 * batch_size`` rows, the chosen then
+    the rejected. Over ``max_seq_len``, a pair's prompt keeps its end and both answers are cut alike
+    (``on_long_sample``: ``truncate``, ``drop`` or ``raise``).
+
+    Refused (a :class:`ConfigError`): ``packing``, ``streaming``, ``chatterbot_categories`` (no
+    pairs), ``train_on: all`` and ``multi_turn`` other than ``auto`` / ``last`` (only each pair's
+    last answer is trained). ``num_proc`` is unused: pairs render in the main process, uncached.
+    """
+
+    def _refuse_sft_only(self) -> None:
+        hparams = self.hparams
+        refused = {
+            "data.packing": (hparams.get("packing"), "false: pairs are padded rows"),
+            "data.streaming": (hparams.get("streaming"), "false: preference data is prepared"),
+            "data.chatterbot_categories": (
+                hparams.get("chatterbot_categories"),
+                "null: the chatterbot corpus has no preference pairs",
+            ),
+            "data.train_on": (hparams.get("train_on") not in (None, "answers"), "answers"),
+            "data.multi_turn": (hparams.get("multi_turn") not in (None, "auto", "last"), "auto or last"),
+        }
+        for setting, (value, right) in refused.items():
+            if value:
+                raise ConfigError(
+                    setting, f"must be {right} for preference data, got {hparams.get(setting[5:])!r}"
+                )
+        for source in self.sources + self.val_sources:
+            if source.path.startswith(CHATTERBOT):
+                raise ConfigError(
+                    "data.sources", f"{source.path}: the chatterbot corpus has no preference pairs"
+                )
+
+    def prepare_samples(self) -> PreparedPairs:  # type: ignore[override]
+        """Read, split and render the pairs (not cached: render time is small next to a step's)."""
+        self._refuse_sft_only()
+        tokenizer = self.load_tokenizer()
+        settings = self.settings
+        vocab = self.model_vocab_size()
+        counts: dict[str, dict[str, Counter[str]]] = {"train": {}, "val": {}}
+        rejects = Rejects(settings.on_bad_record)
+        names = [s.name or "" for s in self.sources]
+        train = [
+            _read_pairs(s, rejects, counts["train"].setdefault(n, Counter()))
+            for s, n in zip(self.sources, names, strict=True)
+        ]
+        if settings.deduplicate:
+            seen: set[Any] = set()
+            train = [_drop_duplicates(r, seen, counts["train"][n]) for r, n in zip(train, names, strict=True)]
+        val_names = [s.name or "" for s in self.val_sources]
+        val = [
+            _read_pairs(s, rejects, counts["val"].setdefault(n, Counter()))
+            for s, n in zip(self.val_sources, val_names, strict=True)
+        ]
+        val_parts = list(self.val_sources)
+        for i, source in enumerate(self.sources):
+            fraction = source.val_fraction if source.val_fraction is not None else settings.val_fraction
+            if self.val_sources and source.val_fraction is None:
+                fraction = 0.0
+            kept, held_out = hold_out(cast(list[Record], train[i]), fraction, settings.split_seed)
+            train[i] = cast(list[PreferenceRecord], kept)
+            if held_out:
+                name = names[i] if names[i] not in val_names else f"{names[i]}-held-out"
+                val.append(cast(list[PreferenceRecord], held_out))
+                val_names.append(name)
+                val_parts.append(source)
+        renderers: dict[str | None, PreferenceRenderer] = {}
+
+        def render(
+            split: str,
+            sources: list[DataSource],
+            records: list[list[PreferenceRecord]],
+            split_names: list[str],
+        ) -> PairStore:
+            parts = []
+            for index, (source, part, name) in enumerate(zip(sources, records, split_names, strict=True)):
+                template = settings.template_for(source)
+                if template not in renderers:
+                    renderers[template] = PreferenceRenderer(tokenizer, settings.max_seq_len, template)
+                source_counts = counts[split].setdefault(name, Counter())
+                parts.append((index, self._render(part, renderers[template], source_counts, rejects, vocab)))
+            return PairStore(parts, split_names)
+
+        prepared = PreparedPairs(
+            render("train", self.sources, train, names),
+            render("val", val_parts, val, val_names),
+            counts,
+            rejects.rows,
+        )
+        return prepared
+
+    def _render(
+        self,
+        records: list[PreferenceRecord],
+        renderer: PreferenceRenderer,
+        counts: Counter[str],
+        rejects: Rejects,
+        vocab: int | None,
+    ) -> list[PreferencePair]:
+        """The pairs of ``records``; long ones truncated (counted), dropped or raised as
+        ``on_long_sample`` says, bad ones raised or skipped as ``on_bad_record`` says."""
+        policy = self.settings.on_long_sample
+        pairs = []
+        for record in records:
+            try:
+                pair = renderer(record)
+                for sample in (pair.chosen, pair.rejected):
+                    if vocab is not None:
+                        check_vocabulary(sample, vocab, renderer.renderer.tokenizer)
+                if pair.truncated and policy == "raise":
+                    longest = max(pair.chosen.full_length, pair.rejected.full_length)
+                    raise DataError(
+                        record.source,
+                        f"the pair has {longest} tokens, more than max_seq_len={renderer.max_seq_len}",
+                        reason="too_long",
+                    )
+            except DataError as error:
+                rejects.handle(
+                    error, {"chosen": str(record.chosen), "rejected": str(record.rejected)}, counts
+                )
+                continue
+            if pair.truncated and policy == "drop":
+                counts["dropped_too_long"] += 1
+                continue
+            counts["truncated"] += pair.truncated
+            pairs.append(pair)
+        counts["pairs"] += len(pairs)
+        counts["response_tokens"] += sum(p.chosen.num_targets + p.rejected.num_targets for p in pairs)
+        return pairs
+
+    def pairs(self, split: str) -> PairStore:
+        """The ``train`` or ``val`` pairs (after :meth:`setup`)."""
+        prepared = cast(PreparedPairs, self._prepared())
+        return prepared.train if split == "train" else prepared.val
+
+    def _collator(self, source: str | None = None) -> PairCollator:  # type: ignore[override]
+        tokenizer = self.load_tokenizer()
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return PairCollator(pad_id, self.pad_to_multiple_of)
+
+    def train_dataloader(self) -> DataLoader:
+        """The feed's order (seeded, sharded, resumable) over the pairs, ``batch_size`` pairs a batch."""
+        loader = super().train_dataloader()  # the feed's sampler, over the pairs
+        return DataLoader(
+            UncountedPairs(self.pairs("train")),
+            batch_size=self.batch_size,
+            sampler=loader.sampler,
+            collate_fn=self._collator(),
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        """All held-out pairs in order, over several ranks each counted once."""
+        pairs = self.pairs("val")
+        trainer = self.trainer
+        sampler = None
+        if trainer is not None and trainer.world_size > 1:
+            sampler = EvenShards(pairs, trainer.world_size, trainer.global_rank)
+        return DataLoader(
+            UncountedPairs(pairs),  # without padding repeats: the pairs as they are
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            sampler=sampler,
+            collate_fn=self._collator(),
+            num_workers=self.num_workers,
+        )
