@@ -136,7 +136,5 @@ def test_qlora_under_fsdp_shards_the_4bit_base_and_trains_like_one_process(
 def test_low_memory_load_needs_the_sharding_strategy(tiny_model_dir, chat_file, tmp_path) -> None:
     module, data = make(tiny_model_dir, chat_file, low_memory_load=True)
     assert not module.built_on_meta  # rank 0 (no launcher here) always reads the weights
-    with pytest.raises(
-        ValueError, match=r"^model\.low_memory_load: true needs trainer\.strategy: fsdp_lora"
-    ):
+    with pytest.raises(ValueError, match=r"^model\.low_memory_load: true needs trainer\.strategy: fsdp_lora"):
         trainer(tmp_path).fit(module, datamodule=data)
