@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lit_instruct.adapter_folder import adapter_base
+from lit_instruct.clock import duration
 from lit_instruct.vocabulary import adapter_new_tokens, base_tokenizer
 
 
@@ -95,15 +96,6 @@ def _cell(name: str, value: float | None) -> str:
     if name == "val/tokens":
         return f"{int(value)}"
     return f"{value:.2f}" if name == "val/ppl" else f"{value:.4f}"
-
-
-def duration(seconds: float) -> str:
-    """``1h02m03s``, ``2m03s`` or ``3s``."""
-    hours, rest = divmod(round(seconds), 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m{secs:02d}s"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 class Progress:
