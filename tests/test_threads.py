@@ -73,6 +73,7 @@ def test_alone_the_fit_keeps_its_threads(tiny_model_dir, chat_file, tmp_path) ->
     torch.set_num_threads(2)
     module, data = make(tiny_model_dir, chat_file)
     seen = Threads()
-    trainer(tmp_path, max_steps=2, callbacks=[seen]).fit(module, datamodule=data)
+    fit = trainer(tmp_path, max_steps=2, callbacks=[seen])
+    fit.fit(module, datamodule=data)
     assert set(seen.threads) == {2}
-    assert any(isinstance(c, ThreadBudget) for c in module.configure_callbacks())
+    assert any(isinstance(c, ThreadBudget) for c in fit.callbacks)  # the module attached one
