@@ -1,8 +1,11 @@
-"""Preference records (lit_instruct.data.preference): TRL's explicit and implicit layouts, shared
-prompt tokens, labels on each answer only, and the ``[chosen; rejected]`` batch, against an
-independent rendering (the tokenizer's own ``apply_chat_template`` and plain tokenization)."""
+"""Preference records (lit_instruct.data.preference): TRL's explicit and implicit layouts and
+UltraFeedback's rows, shared prompt tokens, labels on each answer only, and the ``[chosen; rejected]``
+batch, against an independent rendering (the tokenizer's own ``apply_chat_template`` and plain
+tokenization); every field used, checked, counted or refused with file:line and its name."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +43,22 @@ RECORDS = {
     "implicit": (
         {"chosen": [*EARLIER, USER, _assistant("Paris.")], "rejected": [*EARLIER, USER, _assistant("Rome.")]},
         [*EARLIER, USER],
+    ),
+    "ultrafeedback": (
+        {
+            "prompt": USER["content"],
+            "prompt_id": "3c5f",
+            "chosen": [USER, _assistant("Paris.")],
+            "rejected": [USER, _assistant("Rome.")],
+            "messages": [USER, _assistant("Paris.")],
+            "score_chosen": 8.5,
+            "score_rejected": 3,
+        },
+        [USER],
+    ),
+    "system-field": (
+        {"system": SYSTEM["content"], "prompt": [USER], "chosen": "Paris.", "rejected": "Rome."},
+        [SYSTEM, USER],
     ),
 }
 
@@ -119,3 +138,82 @@ def test_bad_records_are_refused_with_file_line_and_field(raw, message, tokenize
     with pytest.raises(DataError, match=message) as caught:
         PreferenceRenderer(tokenizer, 64)(to_preference_record(raw, "pairs.jsonl:7"))
     assert str(caught.value).startswith("pairs.jsonl:7: ")
+
+
+ULTRA: dict[str, Any] = RECORDS["ultrafeedback"][0]  # type: ignore[assignment]
+
+
+def test_ultrafeedback_rows_read_as_their_explicit_pair(tokenizer):
+    """The UltraFeedback row, its prompt/answers alone and its implicit conversations: one pair."""
+    renderer = PreferenceRenderer(tokenizer, max_seq_len=512)
+    ultra = to_preference_record(ULTRA, "x")
+    explicit = to_preference_record({"prompt": USER["content"], "chosen": "Paris.", "rejected": "Rome."}, "x")
+    implicit = to_preference_record({k: ULTRA[k] for k in ("chosen", "rejected")}, "x")
+    assert renderer(ultra) == renderer(explicit) == renderer(implicit)
+    assert ultra.unused == ("prompt_id",) and not ultra.tied
+    tied = to_preference_record({**ULTRA, "score_chosen": "3", "score_rejected": 3.0}, "x")  # csv text
+    assert tied.tied
+
+
+def test_unread_fields_are_counted_as_for_sft_records():
+    raw = {
+        **ULTRA,
+        "chosen": [{**USER, "lang": "en"}, _assistant("Paris.")],
+        "messages": [{**USER, "lang": "en"}, _assistant("Paris.")],
+        "rejected": [{**USER, "lang": "en"}, {**_assistant("Rome."), "refusal": None}],
+        "source": "flan",
+        "metadata": {},
+        "id": "",
+    }
+    assert to_preference_record(raw, "x").unused == ("chosen[].lang", "prompt_id", "source")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"prompt": "What is the capital of Spain?"},
+            r"field 'prompt' differs from the 1 turn\(s\) 'chosen'",
+        ),
+        (
+            {"prompt": [SYSTEM, USER]},
+            r"field 'prompt' differs at prompt\[0\] from the 1 turn\(s\) 'chosen' and 'rejected' begin",
+        ),
+        (
+            {"messages": [USER, _assistant("Rome.")]},
+            r"field 'messages' must be the chosen conversation .* messages\[1\]",
+        ),
+        ({"score_chosen": 2}, r"field 'score_chosen' \(2\) is below 'score_rejected' \(3\)"),
+        ({"score_chosen": "high"}, "field 'score_chosen' must be a finite number, got 'high'"),
+        ({"score_rejected": float("nan")}, "field 'score_rejected' must be a finite number"),
+        ({"score_rejected": True}, "field 'score_rejected' must be a finite number"),
+        ({"score_rejected": None}, "field 'score_rejected' is missing while 'score_chosen' is given"),
+        ({"images": ["a.png"]}, "field 'images' holds images"),
+        (
+            {"chosen": [USER, {**_assistant("Paris."), "images": ["a.png"]}]},
+            r"field 'chosen\[1\]\.images' holds images",
+        ),
+        (
+            {
+                "system": "Be brief.",
+                "prompt": [SYSTEM, USER],
+                "chosen": "A",
+                "rejected": "B",
+                "messages": None,
+            },
+            r"both a 'system' field and a system turn \(prompt\[0\]\)",
+        ),
+        (
+            {"chosen": [USER, _assistant(" ")], "messages": None},
+            r"field 'chosen\[1\]\.content' \(assistant\) is empty",
+        ),
+        (
+            {"chosen": [USER, _assistant("A")], "rejected": "B", "messages": None},
+            "must both be whole conversations",
+        ),
+    ],
+)
+def test_ultrafeedback_fields_are_checked_with_file_line_and_field(change, message, tokenizer):
+    with pytest.raises(DataError, match=message) as caught:
+        PreferenceRenderer(tokenizer, 64)(to_preference_record({**ULTRA, **change}, "uf.parquet:row 4"))
+    assert str(caught.value).startswith("uf.parquet:row 4: ")

@@ -1,11 +1,29 @@
 """Preference records -> chosen and rejected samples sharing their prompt's tokens, and their batches.
 
-Two of TRL's preference layouts are read:
+The layouts read (TRL's two, and UltraFeedback-binarised rows):
 
 - explicit prompt: ``prompt``, ``chosen``, ``rejected``; each a string (the prompt a user turn, the
   answers assistant turns) or a list of chat messages (the answers' lists hold the answer turn);
 - implicit prompt: ``chosen`` and ``rejected`` whole conversations (message lists) that share every
-  turn but the last, which is each one's assistant answer.
+  turn but the last, which is each one's assistant answer;
+- both (``HuggingFaceH4/ultrafeedback_binarized``): ``prompt`` given and ``chosen``/``rejected``
+  whole conversations; the prompt must then be exactly the turns they share (a string: one user turn).
+
+Every field is used, checked, counted or refused, as for SFT records
+(:mod:`lit_instruct.data.records`):
+
+- used: ``prompt``, ``chosen``, ``rejected``, ``system`` (a first system turn, as for SFT; with a
+  system turn in the prompt as well it is refused) and ``tools`` (shown to both answers);
+- checked: ``messages`` (UltraFeedback's copy of the chosen conversation) must be that
+  conversation, else the pair is refused; ``score_chosen`` and ``score_rejected`` must both be
+  finite numbers (numeric text from a csv too) or both absent, and a pair whose chosen answer
+  scored below its rejected one is refused (``scores_reversed``: training would teach the worse
+  answer); equal scores are kept and counted (``tied_scores``);
+- counted: any other non-empty field (``prompt_id``, ``id``, ``source``; a turn's ``lang``) is
+  counted per source as ``unused_field_<name>`` (``unused_field_chosen[].lang``) and reported at setup,
+  as SFT data's are: never dropped unseen, map it with ``columns`` if it was meant;
+- refused: the fields SFT refuses for what they would hold (``images``, ``videos``, ``audios``,
+  OpenAI's legacy ``function_call`` / ``functions``), on the record or on a turn.
 
 Each side becomes a chat record rendered by :class:`~lit_instruct.data.render.ChatRenderer` with
 ``multi_turn="last"``: earlier answers are context, the last answer (and its end-of-turn token) is
@@ -15,112 +33,304 @@ a record where they differ is refused naming its file, line and field.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lit_instruct.data.collate import PadCollator
-from lit_instruct.data.records import DataError, Record, to_record
+from lit_instruct.data.records import (
+    REFUSED_FIELDS,
+    TURN_LAYOUTS,
+    DataError,
+    Record,
+    _is_empty,
+    _unused_turn_fields,
+    to_record,
+)
 from lit_instruct.data.render import ChatRenderer, Sample
 from lit_instruct.labels import IGNORE_INDEX
 
-FIELDS = frozenset({"prompt", "chosen", "rejected"})
+FIELDS = frozenset(
+    {"prompt", "chosen", "rejected", "system", "tools", "messages", "score_chosen", "score_rejected"}
+)
+"""The record fields a preference pair reads; any other non-empty one is counted unused."""
+REFUSED = {name: why for name, why in REFUSED_FIELDS.items() if name not in ("chosen", "rejected")}
+"""Record fields that refuse the pair: what they hold would be lost."""
 
 
 @dataclass(frozen=True)
 class PreferenceRecord:
-    """The chosen and rejected conversations of one preference pair (same context, last answer differs)."""
+    """The chosen and rejected conversations of one preference pair (same context, last answer differs);
+    ``unused``: the fields counted unused; ``tied``: its scores are equal."""
 
     chosen: Record
     rejected: Record
     source: str
     unused: tuple[str, ...] = ()
+    tied: bool = False
+
+    @property
+    def prompt_key(self) -> tuple[Any, ...]:
+        """What the two answers follow (the turns before the last, the tools): pairs with the same one
+        share a prompt."""
+        return (self.chosen.messages[:-1], self.chosen.tools)
 
 
-def _messages(value: Any, field: str, role: str, source: str) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Part:
+    """Consecutive turns of a side's conversation, from the user's field ``field`` at ``offset``
+    (``whole``: the field was a string, one turn)."""
+
+    field: str
+    turns: list[Any]
+    offset: int = 0
+    whole: bool = False
+
+    def where(self, k: int) -> str:
+        return self.field if self.whole else f"{self.field}[{self.offset + k}]"
+
+
+def _messages(value: Any, field: str, role: str, source: str) -> Part:
     """A field as chat messages: a string is one ``role`` turn, a list is taken as it is."""
     if isinstance(value, str):
-        return [{"role": role, "content": value}]
+        return Part(field, [{"role": role, "content": value}], whole=True)
     if isinstance(value, list) and value:
-        return value
+        return Part(field, value)
     raise DataError(source, f"field '{field}' must be a string or a non-empty list of messages", "bad_type")
 
 
-_INDEX = re.compile(r"messages\[(\d+)\]")
+_INDEX = re.compile(r"messages\[(\d+)\](\.content)?")
 
 
-def _record(parts: list[tuple[str, list[dict[str, Any]]]], source: str) -> Record:
-    """The chat record of the concatenated ``(field, messages)`` parts; errors name the user's field
-    (``chosen[0].content``) rather than the concatenation's (``messages[2].content``)."""
-    where = [(field, k) for field, messages in parts for k in range(len(messages))]
+def _record(parts: list[Part], tools: Any, source: str) -> Record:
+    """The chat record of the concatenated parts; errors name the user's field (``chosen[1].content``,
+    ``prompt`` for a string) rather than the concatenation's (``messages[2].content``)."""
+    where = [(part, k) for part in parts for k in range(len(part.turns))]
+    raw: dict[str, Any] = {"messages": [m for part in parts for m in part.turns]}
+    if not _is_empty(tools):
+        raw["tools"] = tools
     try:
-        return to_record({"messages": [m for _, messages in parts for m in messages]}, source, "chat")
+        return to_record(raw, source, "chat")
     except DataError as error:
 
         def rename(match: re.Match[str]) -> str:
-            field, k = where[int(match.group(1))]
-            return f"{field}[{k}]"
+            part, k = where[int(match.group(1))]
+            return part.where(k) + ("" if part.whole else match.group(2) or "")
 
         raise DataError(source, _INDEX.sub(rename, error.message), error.reason) from error
+
+
+def _plain(message: Any) -> Any:
+    """What a message says: the fields a chat turn reads, empty ones left out (a table's struct
+    columns give every turn every key); others (``lang``) are counted, not compared."""
+    if not isinstance(message, dict):
+        return message
+    reads = TURN_LAYOUTS["chat"].reads
+    return {key: value for key, value in message.items() if key in reads and not _is_empty(value)}
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(_plain(x) == _plain(y) for x, y in zip(a, b, strict=True))
 
 
 def _shared_prefix(chosen: list[Any], rejected: list[Any]) -> int:
     """How many leading messages the two conversations share."""
     count = 0
     for a, b in zip(chosen, rejected, strict=False):
-        if a != b:
+        if _plain(a) != _plain(b):
             break
         count += 1
     return count
 
 
+def _is_conversation(value: Any) -> bool:
+    """Whether an answer field holds a whole conversation (its first turn not the answer's) rather than
+    the answer turn alone."""
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    return not (isinstance(first, dict) and first.get("role") == "assistant")
+
+
+def _implicit(raw: dict[str, Any], source: str) -> tuple[Part, Part, Part]:
+    """The shared turns and the two answers of whole ``chosen``/``rejected`` conversations."""
+    if not (isinstance(raw["chosen"], list) and isinstance(raw["rejected"], list)):
+        why = (
+            "without 'prompt', 'chosen' and 'rejected' must be whole conversations (message lists)"
+            if raw.get("prompt") is None
+            else "fields 'chosen' and 'rejected' must both be whole conversations (message lists) or both "
+            "the answers alone"
+        )
+        raise DataError(source, why, "bad_type")
+    chosen, rejected = raw["chosen"], raw["rejected"]
+    shared = _shared_prefix(chosen, rejected)
+    if shared == 0 or shared != len(chosen) - 1 or shared != len(rejected) - 1:
+        raise DataError(
+            source,
+            f"fields 'chosen' and 'rejected' share {shared} leading messages; an implicit prompt needs "
+            f"them to differ in their last message only (chosen has {len(chosen)}, "
+            f"rejected {len(rejected)})",
+            "bad_pair",
+        )
+    return (
+        Part("chosen", chosen[:shared]),
+        Part("chosen", chosen[shared:], shared),
+        Part("rejected", rejected[shared:], shared),
+    )
+
+
+def _check_prompt(prompt: Part, shared: Part, source: str) -> None:
+    """An explicit ``prompt`` beside whole conversations must be exactly the turns they share."""
+    if _same(prompt.turns, shared.turns):
+        return
+    k = _shared_prefix(prompt.turns, shared.turns)
+    at = f" at {prompt.where(k)}" if k < len(prompt.turns) else f" after its {len(prompt.turns)} turn(s)"
+    at = "" if prompt.whole else at
+    n = len(shared.turns)
+    raise DataError(
+        source,
+        f"field 'prompt' differs{at} from the {n} turn(s) 'chosen' and 'rejected' "
+        f"begin with (chosen[0:{n}]); with whole conversations, the prompt must be "
+        "exactly those turns",
+        "bad_pair",
+    )
+
+
+def _system(raw: dict[str, Any], prompt: Part, source: str) -> list[Part]:
+    """The record's ``system`` field as a first part (none when empty)."""
+    system = raw.get("system")
+    if _is_empty(system):
+        return []
+    if not isinstance(system, str):
+        raise DataError(source, f"field 'system' must be a string, got {type(system).__name__}", "bad_type")
+    first = prompt.turns[0]
+    if isinstance(first, dict) and first.get("role") == "system":
+        raise DataError(
+            source,
+            f"the record has both a 'system' field and a system turn ({prompt.where(0)}): keep one",
+            "bad_role",
+        )
+    return [Part("system", [{"role": "system", "content": system}], whole=True)]
+
+
+def _score(raw: dict[str, Any], field: str, source: str) -> float | None:
+    """A score as a finite number (numeric text too: csv cells are text); None when absent."""
+    value = raw.get(field)
+    if _is_empty(value):
+        return None
+    number: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None or not math.isfinite(number):
+        raise DataError(source, f"field '{field}' must be a finite number, got {value!r}", "bad_type")
+    return number
+
+
+def _scores_tied(raw: dict[str, Any], source: str) -> bool:
+    """Check ``score_chosen``/``score_rejected``: both or neither, the chosen not below the rejected;
+    whether they are equal."""
+    chosen, rejected = _score(raw, "score_chosen", source), _score(raw, "score_rejected", source)
+    if (chosen is None) != (rejected is None):
+        given, missing = (
+            ("score_chosen", "score_rejected") if rejected is None else ("score_rejected", "score_chosen")
+        )
+        raise DataError(
+            source, f"field '{missing}' is missing while '{given}' is given: give both or neither", "bad_pair"
+        )
+    if chosen is None or rejected is None:
+        return False
+    if chosen < rejected:
+        raise DataError(
+            source,
+            f"field 'score_chosen' ({chosen:g}) is below 'score_rejected' ({rejected:g}): the chosen answer "
+            "scored worse, training would prefer the worse answer (swap the answers or drop the pair)",
+            "scores_reversed",
+        )
+    return chosen == rejected
+
+
+def _check_messages(raw: dict[str, Any], prompt: Part, chosen: Part, source: str) -> None:
+    """UltraFeedback's ``messages`` must be the chosen conversation (it repeats it)."""
+    messages = raw.get("messages")
+    if _is_empty(messages):
+        return
+    conversation = prompt.turns + chosen.turns
+    if not isinstance(messages, list) or not _same(messages, conversation):
+        k = _shared_prefix(messages, conversation) if isinstance(messages, list) else 0
+        raise DataError(
+            source,
+            f"field 'messages' must be the chosen conversation ({len(conversation)} turns: the prompt and "
+            f"the chosen answer), as UltraFeedback's repeats it; it differs at messages[{k}]",
+            "bad_pair",
+        )
+
+
+def _unused(raw: dict[str, Any], parts: list[Part], source: str) -> tuple[str, ...]:
+    """The non-empty fields no part of the pair reads, the record's and its turns'
+    (``chosen[].lang``); a refused one raises."""
+    unused = set()
+    for name, value in raw.items():
+        if name in FIELDS or _is_empty(value):
+            continue
+        if name in REFUSED:
+            raise DataError(source, f"field '{name}' holds {REFUSED[name]}: refused", "unsupported_field")
+        unused.add(name)
+    layout = TURN_LAYOUTS["chat"]
+    for part in parts:
+        for k, turn in enumerate(part.turns):
+            if isinstance(turn, dict) and not part.whole:
+                names = _unused_turn_fields(turn, layout, part.where(k), source)
+                unused.update(f"{part.field}[].{name}" for name in names)
+    return tuple(sorted(unused))
+
+
 def to_preference_record(raw: Any, source: str) -> PreferenceRecord:
-    """One JSON object (or table row) in an explicit- or implicit-prompt layout, checked.
+    """One JSON object (or table row) in an explicit-, implicit-prompt or UltraFeedback layout, checked.
 
     Raises:
-        DataError: for a missing or mistyped field, answers that are not one assistant turn each,
-            implicit conversations that do not share all but their last turn.
+        DataError: for a missing, mistyped or refused field, answers that are not one assistant turn
+            each, implicit conversations that do not share all but their last turn, a prompt that is
+            not the turns they share, ``messages`` that is not the chosen conversation, reversed scores.
     """
     if not isinstance(raw, dict):
         raise DataError(source, f"record must be a JSON object, got {type(raw).__name__}", "bad_type")
     for field in ("chosen", "rejected"):
         if raw.get(field) is None:
             raise DataError(
-                source, f"field '{field}' is missing (a preference pair needs both answers)", "missing_field"
+                source,
+                f"field '{field}' is missing (a preference pair needs both answers); the record has "
+                f"{sorted(raw)} (map other names with columns)",
+                "missing_field",
             )
-    unused = tuple(sorted(set(raw) - FIELDS))
-    if "prompt" in raw:
-        prompt = _messages(raw["prompt"], "prompt", "user", source)
-        answers = {f: _messages(raw[f], f, "assistant", source) for f in ("chosen", "rejected")}
+    if _is_conversation(raw["chosen"]) or _is_conversation(raw["rejected"]) or raw.get("prompt") is None:
+        prompt, chosen, rejected = _implicit(raw, source)
+        if raw.get("prompt") is not None:
+            _check_prompt(_messages(raw["prompt"], "prompt", "user", source), prompt, source)
     else:
-        chosen, rejected = (_messages(raw[f], f, "assistant", source) for f in ("chosen", "rejected"))
-        if isinstance(raw["chosen"], str) or isinstance(raw["rejected"], str):
-            raise DataError(
-                source,
-                "without 'prompt', 'chosen' and 'rejected' must be whole conversations (message lists)",
-                "bad_type",
-            )
-        shared = _shared_prefix(chosen, rejected)
-        if shared == 0 or shared != len(chosen) - 1 or shared != len(rejected) - 1:
-            raise DataError(
-                source,
-                f"fields 'chosen' and 'rejected' share {shared} leading messages; an implicit prompt needs "
-                f"them to differ in their last message only (chosen has {len(chosen)}, "
-                f"rejected {len(rejected)})",
-                "bad_pair",
-            )
-        prompt = chosen[:shared]
-        answers = {"chosen": chosen[shared:], "rejected": rejected[shared:]}
-    for field, turns in answers.items():
-        if len(turns) != 1 or not isinstance(turns[0], dict) or turns[0].get("role") != "assistant":
-            raise DataError(source, f"field '{field}' must be one assistant turn", "bad_pair")
-    prompt_field = "prompt" if "prompt" in raw else "chosen"
+        prompt = _messages(raw["prompt"], "prompt", "user", source)
+        chosen = _messages(raw["chosen"], "chosen", "assistant", source)
+        rejected = _messages(raw["rejected"], "rejected", "assistant", source)
+    for side in (chosen, rejected):
+        turn = side.turns[0]
+        if len(side.turns) != 1 or not isinstance(turn, dict) or turn.get("role") != "assistant":
+            raise DataError(source, f"field '{side.field}' must be one assistant turn", "bad_pair")
+    tied = _scores_tied(raw, source)
+    _check_messages(raw, prompt, chosen, source)
+    context = [*_system(raw, prompt, source), prompt]
+    unused = _unused(raw, [prompt, chosen, rejected], source)
     return PreferenceRecord(
-        _record([(prompt_field, prompt), ("chosen", answers["chosen"])], source),
-        _record([(prompt_field, prompt), ("rejected", answers["rejected"])], source),
+        _record([*context, chosen], raw.get("tools"), source),
+        _record([*context, rejected], raw.get("tools"), source),
         source,
         unused,
+        tied,
     )
 
 

@@ -2,15 +2,18 @@
 
 The sources, the split, the tokenizer, the new tokens, the training order and its resume are
 :class:`~lit_instruct.data.datamodule.InstructDataModule`'s; what differs is what a record is (a
-:class:`~lit_instruct.data.preference.PreferenceRecord`, both layouts of TRL's), how it renders (a
-:class:`~lit_instruct.data.preference.PreferencePair` sharing its prompt's tokens, both answers cut
-alike) and how pairs batch (:class:`PairCollator`). Per split and source, the counts report
-``pairs``, ``truncated`` (pairs cut to ``max_seq_len``), ``response_tokens`` (both answers'
-labelled tokens), duplicates, drops and skips, as for SFT data.
+:class:`~lit_instruct.data.preference.PreferenceRecord`: TRL's layouts and UltraFeedback's), how it
+renders (a :class:`~lit_instruct.data.preference.PreferencePair` sharing its prompt's tokens, both answers cut
+alike) and how pairs batch (:class:`PairCollator`). The held-out pairs are whole prompts: pairs
+that answer the same prompt (the same turns before their answers) are all trained on or all held
+out, so validation never scores a prompt the policy was trained on. Per split and source, the counts
+report ``pairs``, ``truncated`` (pairs cut to ``max_seq_len``), ``response_tokens`` (both answers'
+labelled tokens), ``tied_scores``, ``unused_field_<name>``, duplicates, drops and skips, as for SFT data.
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -29,8 +32,7 @@ from lit_instruct.data.preference import (
     PreferenceRenderer,
     to_preference_record,
 )
-from lit_instruct.data.prepare import hold_out
-from lit_instruct.data.records import DataError, Record, map_columns
+from lit_instruct.data.records import DataError, map_columns
 from lit_instruct.data.sources import CHATTERBOT, DataSource, iter_source
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.validation import Rejects, check_vocabulary
@@ -64,9 +66,17 @@ class PairStore(Sequence[PreferencePair]):
         return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
 
     def samples(self) -> SampleStore:
-        """The pairs as samples, each pair's chosen then its rejected (what ``inspect`` shows)."""
+        """The pairs as samples, each pair's chosen then its rejected, their origins marked so
+        (``pairs.jsonl:3 chosen``): what ``inspect`` shows."""
         parts = [
-            (int(index), [p.chosen, p.rejected]) for index, p in zip(self.source_ids, self.pairs, strict=True)
+            (
+                int(index),
+                [
+                    replace(p.chosen, source=f"{p.chosen.source} chosen"),
+                    replace(p.rejected, source=f"{p.rejected.source} rejected"),
+                ],
+            )
+            for index, p in zip(self.source_ids, self.pairs, strict=True)
         ]
         return SampleStore.build(parts, self.names)
 
@@ -140,8 +150,26 @@ def _read_pairs(source: DataSource, rejects: Rejects, counts: Counter[str]) -> l
             continue
         for name in record.unused:
             counts[f"unused_field_{name}"] += 1
+        if record.tied:
+            counts["tied_scores"] += 1
         records.append(record)
     return records
+
+
+def hold_out_prompts(
+    records: list[PreferenceRecord], fraction: float, seed: int
+) -> tuple[list[PreferenceRecord], list[PreferenceRecord]]:
+    """A seeded ``fraction`` of the prompts held out with all their pairs, both parts in reading
+    order (with one pair per prompt, :func:`~lit_instruct.data.prepare.hold_out`'s very split)."""
+    groups: dict[Any, int] = {}
+    group_of = [groups.setdefault(record.prompt_key, len(groups)) for record in records]
+    order = list(range(len(groups)))
+    random.Random(seed).shuffle(order)
+    held_out = set(order[: round(len(groups) * fraction)])
+    return (
+        [r for r, g in zip(records, group_of, strict=True) if g not in held_out],
+        [r for r, g in zip(records, group_of, strict=True) if g in held_out],
+    )
 
 
 def _drop_duplicates(
@@ -167,8 +195,9 @@ class PreferenceDataModule(InstructDataModule):
     (``on_long_sample``: ``truncate``, ``drop`` or ``raise``).
 
     Refused (a :class:`ConfigError`): ``packing``, ``streaming``, ``chatterbot_categories`` (no
-    pairs), ``train_on: all`` and ``multi_turn`` other than ``auto`` / ``last`` (only each pair's
-    last answer is trained). ``num_proc`` is unused: pairs render in the main process, uncached.
+    pairs), ``train_on: all``, ``multi_turn`` other than ``auto`` / ``last`` (only each pair's
+    last answer is trained) and a ``format`` other than ``auto`` (the pair layouts are told apart
+    per record). ``num_proc`` is unused: pairs render in the main process, uncached.
     """
 
     def _refuse_sft_only(self) -> None:
@@ -192,6 +221,12 @@ class PreferenceDataModule(InstructDataModule):
             if source.path.startswith(CHATTERBOT):
                 raise ConfigError(
                     "data.sources", f"{source.path}: the chatterbot corpus has no preference pairs"
+                )
+            if source.format != "auto":
+                raise ConfigError(
+                    "data.format" if hparams.get("format") != "auto" else "data.sources",
+                    f"{source.path}: format must be auto for preference data (the pair layouts are told "
+                    f"apart per record), got {source.format!r}",
                 )
 
     def prepare_samples(self) -> PreparedPairs:  # type: ignore[override]
@@ -220,11 +255,10 @@ class PreferenceDataModule(InstructDataModule):
             fraction = source.val_fraction if source.val_fraction is not None else settings.val_fraction
             if self.val_sources and source.val_fraction is None:
                 fraction = 0.0
-            kept, held_out = hold_out(cast(list[Record], train[i]), fraction, settings.split_seed)
-            train[i] = cast(list[PreferenceRecord], kept)
+            train[i], held_out = hold_out_prompts(train[i], fraction, settings.split_seed)
             if held_out:
                 name = names[i] if names[i] not in val_names else f"{names[i]}-held-out"
-                val.append(cast(list[PreferenceRecord], held_out))
+                val.append(held_out)
                 val_names.append(name)
                 val_parts.append(source)
         renderers: dict[str | None, PreferenceRenderer] = {}

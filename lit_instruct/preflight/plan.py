@@ -39,8 +39,15 @@ class MemoryEstimate:
         return self.runtime + self.base + self.adapters + self.activations
 
 
+def rows_per_item(settings: Mapping[str, Any]) -> int:
+    """Rows of a batch per ``data.batch_size`` item: 2 for preference pairs (the chosen and the
+    rejected answer), else 1."""
+    return 2 if settings.get("model.preference") is not None else 1
+
+
 def estimate_memory(plan: ModelPlan, settings: Mapping[str, Any]) -> MemoryEstimate:
-    """The peak of a training step on the longest batch (``batch_size`` x ``max_seq_len`` tokens)."""
+    """The peak of a training step on the longest batch (``batch_size`` x ``max_seq_len`` tokens, twice
+    that for preference pairs; their reference pass runs without gradients and keeps no activations)."""
     quantized = settings.get("model.quantization.method", "none") != "none"
     weight_dtype = (
         settings.get("model.quantization.compute_dtype") if quantized else settings.get("model.dtype")
@@ -51,7 +58,8 @@ def estimate_memory(plan: ModelPlan, settings: Mapping[str, Any]) -> MemoryEstim
         per_weight = FOUR_BIT_BYTES[bool(settings.get("model.quantization.double_quant", True))]
         base += int(plan.quantized_linear * (per_weight - width))
     activation_width = 2 if str(settings.get("trainer.precision", "32")).startswith(("bf16", "16")) else 4
-    tokens = int(settings.get("data.batch_size", 8)) * int(settings.get("data.max_seq_len", 512))
+    rows = int(settings.get("data.batch_size", 8)) * rows_per_item(settings)
+    tokens = rows * int(settings.get("data.max_seq_len", 512))
     per_layer = tokens * activation_floats_per_token(plan) * activation_width
     layers = plan.layers
     if settings.get("model.gradient_checkpointing"):
@@ -90,7 +98,18 @@ def plan_text(plan: ModelPlan, settings: Mapping[str, Any], samples: int | None,
     """The lines ``lit-instruct check`` prints."""
     memory = estimate_memory(plan, settings)
     steps = optimizer_steps(samples, settings) if samples is not None else settings.get("trainer.max_steps")
-    data = "streamed" if samples is None else f"{samples:,} samples, {tokens:,} tokens"
+    pairs = rows_per_item(settings) == 2
+    batch_size, length = settings.get("data.batch_size", 8), settings.get("data.max_seq_len")
+    if samples is None:
+        data = "streamed"
+    else:
+        data = f"{samples:,} pairs ({2 * samples:,} rows)" if pairs else f"{samples:,} samples"
+        data += f", {tokens:,} tokens"
+    rows = (
+        f"{2 * batch_size} x {length} batch ({batch_size} pairs)"
+        if pairs
+        else f"{batch_size} x {length} batch"
+    )
     lines = [
         f"model: {settings['model.model']} ({plan.model_type}, {plan.parameters:,} parameters) "
         f"from {plan.source}",
@@ -98,7 +117,6 @@ def plan_text(plan: ModelPlan, settings: Mapping[str, Any], samples: int | None,
         f"data [train]: {data}; {steps if steps is not None else 'unbounded'} optimizer steps",
         f"peak memory estimate: {_gib(memory.total)} (runtime {_gib(memory.runtime)}, "
         f"base {_gib(memory.base)}, adapters and AdamW {_gib(memory.adapters)}, activations of a "
-        f"{settings.get('data.batch_size')} x {settings.get('data.max_seq_len')} batch "
-        f"{_gib(memory.activations)})",
+        f"{rows} {_gib(memory.activations)})",
     ]
     return "".join(f"lit-instruct check: {line}\n" for line in lines)
