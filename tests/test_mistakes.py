@@ -123,6 +123,18 @@ MISTAKES = [
         "lit-instruct: config error: data.chat_template: 'my_template.jinja' is no file, no Jinja template",
     ),
     (
+        ["--model.preference.beta", "0"],
+        "lit-instruct: config error: model.preference.beta: must be > 0, got 0",
+    ),
+    (
+        ["--model.preference.kind", "kto"],
+        "config error: model.preference.kind: must be one of dpo, ipo, simpo, orpo; got 'kto'",
+    ),
+    (
+        ["--model.preference.kind", "simpo", "--model.preference.precompute_reference", "true"],
+        "config error: model.preference.precompute_reference: applies to dpo and ipo (they have a ",
+    ),
+    (
         ["--model.adapter", "no/such/adapter"],
         "lit-instruct: config error: model.adapter: 'no/such/adapter' is no folder; give a PEFT adapter",
     ),

@@ -149,13 +149,14 @@ def _pair_batch(layout: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return batch
 
 
-def _perturb_lora(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random LoRA B matrices, so that the policy differs from the reference."""
+def _perturb_lora(model: torch.nn.Module, seed: int = 0, scale: float = 0.5) -> None:
+    """Random LoRA B matrices (standard deviation ``scale``), so that the policy differs from the
+    reference."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=gen) * 0.5)
+                parameter.copy_(torch.randn(parameter.shape, generator=gen) * scale)
 
 
 def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -203,13 +204,18 @@ def _lora_config():
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
 
-def _load(tiny_model_dir: Path):
+def _load(model: Path | torch.nn.Module):
+    """``model`` itself, or the fp32 model loaded from its folder."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if isinstance(model, torch.nn.Module):
+        return model
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
 
 
-def _dpo_trainer(tiny_model_dir, tokenizer, tmp_path, **config):
+def _dpo_trainer(model, tokenizer, tmp_path, *, dataset=None, peft_config=None, **config):
+    """TRL's ``DPOTrainer`` on ``model`` (a folder or a loaded model, which gets the adapter), by
+    default on :data:`PAIRS` with :func:`_lora_config`'s adapter; ``config``: ``DPOConfig``'s."""
     from trl import DPOConfig, DPOTrainer
 
     args = DPOConfig(
@@ -223,11 +229,11 @@ def _dpo_trainer(tiny_model_dir, tokenizer, tmp_path, **config):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = DPOTrainer(
-            model=_load(tiny_model_dir),
+            model=_load(model),
             args=args,
-            train_dataset=_trl_dataset(),
+            train_dataset=dataset if dataset is not None else _trl_dataset(),
             processing_class=tokenizer,
-            peft_config=_lora_config(),
+            peft_config=peft_config or _lora_config(),
         )
     trainer.model.train()
     return trainer
@@ -274,7 +280,8 @@ def test_dpo_matches_trl_dpo_trainer(case, tiny_model_dir, tokenizer, pair_ids, 
     )
 
 
-def _experimental_trainer(kind: str, tiny_model_dir, tokenizer, tmp_path, **config):
+def _experimental_trainer(kind: str, model, tokenizer, tmp_path, *, dataset=None, peft_config=None, **config):
+    """TRL's ``CPOTrainer`` (``kind="cpo"``) or ``ORPOTrainer``, as :func:`_dpo_trainer`."""
     if kind == "cpo":
         from trl.experimental.cpo import CPOConfig as Config
         from trl.experimental.cpo import CPOTrainer as Trainer
@@ -285,11 +292,11 @@ def _experimental_trainer(kind: str, tiny_model_dir, tokenizer, tmp_path, **conf
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = Trainer(
-            model=_load(tiny_model_dir),
+            model=_load(model),
             args=args,
-            train_dataset=_trl_dataset(),
+            train_dataset=dataset if dataset is not None else _trl_dataset(),
             processing_class=tokenizer,
-            peft_config=_lora_config(),
+            peft_config=peft_config or _lora_config(),
         )
     trainer.model.train()
     return trainer

@@ -209,7 +209,9 @@ def test_a_nan_step_is_skipped_and_a_resume_from_an_sft_adapter_is_exact(
 
 
 def test_settings_that_cannot_apply_are_refused(tiny_model_dir, pairs_file):
-    with pytest.raises(ConfigError, match=r"model\.preference: label_smoothing applies to dpo and simpo"):
+    with pytest.raises(
+        ConfigError, match=r"model\.preference\.label_smoothing: applies to dpo and simpo, not kind: ipo"
+    ):
         PreferenceLoRAModule(
             model=str(tiny_model_dir), preference=PreferenceConfig("ipo", label_smoothing=0.1)
         )

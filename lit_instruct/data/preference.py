@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.records import (
     REFUSED_FIELDS,
@@ -337,12 +339,15 @@ def to_preference_record(raw: Any, source: str) -> PreferenceRecord:
 @dataclass(frozen=True)
 class PreferencePair:
     """Tokenized chosen and rejected samples: the same ``prompt_length`` first tokens, labels only on
-    each answer; ``truncated`` when the pair was cut to fit."""
+    each answer; ``truncated`` when the pair was cut to fit; ``reference``: the reference model's
+    summed log-probabilities of the chosen and rejected answer, once computed
+    (:mod:`lit_instruct.train.reference_cache`)."""
 
     chosen: Sample
     rejected: Sample
     prompt_length: int
     truncated: bool = False
+    reference: tuple[float, float] | None = None
 
 
 def _prompt_length(sample: Sample, field: str, source: str) -> int:
@@ -419,7 +424,8 @@ class PreferenceRenderer:
 
 class PreferenceCollator:
     """One right-padded batch of ``[chosen rows; rejected rows]`` (``num_pairs`` of each), with the
-    SFT collator's counts."""
+    SFT collator's counts, and ``reference_logps`` (``(2P,)`` fp64: the chosen, then the rejected)
+    when every pair carries its reference log-probabilities."""
 
     def __init__(self, pad_id: int, pad_to_multiple_of: int | None = None) -> None:
         self.pad = PadCollator(pad_id, pad_to_multiple_of)
@@ -428,4 +434,7 @@ class PreferenceCollator:
         batch = self.pad([p.chosen for p in pairs] + [p.rejected for p in pairs])
         batch["num_pairs"] = len(pairs)
         batch["num_truncated_pairs"] = sum(p.truncated for p in pairs)
+        if pairs and all(p.reference is not None for p in pairs):
+            chosen, rejected = zip(*(p.reference for p in pairs), strict=True)
+            batch["reference_logps"] = torch.tensor(chosen + rejected, dtype=torch.float64)
         return batch

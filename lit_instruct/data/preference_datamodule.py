@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit_instruct.data.datamodule import InstructDataModule
@@ -33,6 +34,7 @@ from lit_instruct.data.preference import (
     to_preference_record,
 )
 from lit_instruct.data.records import DataError, map_columns
+from lit_instruct.data.reference_cache import ReferenceFn, compute_reference
 from lit_instruct.data.sources import CHATTERBOT, DataSource, iter_source
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.validation import Rejects, check_vocabulary
@@ -329,6 +331,27 @@ class PreferenceDataModule(InstructDataModule):
         """The ``train`` or ``val`` pairs (after :meth:`setup`)."""
         prepared = cast(PreparedPairs, self._prepared())
         return prepared.train if split == "train" else prepared.val
+
+    def cache_reference(
+        self,
+        reference: ReferenceFn,
+        world_size: int = 1,
+        rank: int = 0,
+        all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ) -> int:
+        """Compute the reference log-probabilities of every training and held-out pair that has none
+        yet, once (:func:`~lit_instruct.data.reference_cache.compute_reference`); the batches then
+        carry them. Returns how many pairs were computed (0 when all already had theirs)."""
+        computed = 0
+        for split in ("train", "val"):
+            store = self.pairs(split)
+            if store.pairs and any(p.reference is None for p in store.pairs):
+                collate = self._collator()
+                store.pairs[:] = compute_reference(
+                    store.pairs, collate, reference, self.eval_batch_size, world_size, rank, all_reduce_sum
+                )
+                computed += len(store.pairs)
+        return computed
 
     def _collator(self, source: str | None = None) -> PairCollator:  # type: ignore[override]
         tokenizer = self.load_tokenizer()

@@ -185,6 +185,8 @@ def load_lora(model: nn.Module, adapter: str | Path) -> Any:
             f"base model (e.g. {unplaced[0]}): an adapter of another base?",
         )
     for key, tensor in saved.items():
+        if loaded[key].is_meta:  # a low_memory_load rank: its shards come from rank 0's (checked) weights
+            continue
         if not torch.equal(loaded[key].cpu().to(tensor.dtype), tensor):
             raise ConfigError("model.adapter", f"{folder}: {key} did not load as saved")
     return peft_model

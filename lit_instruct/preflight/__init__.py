@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from lit_instruct.errors import ConfigError
+from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.models.four_bit import require_bitsandbytes
 from lit_instruct.models.load import QuantizationConfig, load_base_model
 from lit_instruct.models.lora import LoRAConfig, attach_lora, lora_config_of, with_adapter_structure
@@ -60,6 +61,9 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     settings = config_settings(config)
     check_values(settings)
     refuse_conflicts(settings)
+    preference = settings.get("model.preference")
+    if preference is not None:
+        PreferenceConfig(**preference).loss()
     lora = LoRAConfig(**settings["model.lora"])
     adapter = settings.get("model.adapter")
     if adapter is not None:

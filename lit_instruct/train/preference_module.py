@@ -32,42 +32,15 @@ from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.distributed import full_tensor
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.loss.preference import (
+from lit_instruct.loss.preference import (  # PreferenceConfig: importable from here too
     PairLogps,
-    PreferenceKind,
+    PreferenceConfig,
     PreferenceLoss,
     answer_logps,
     answer_token_counts,
 )
 from lit_instruct.train.module import InstructLoRAModule
 from lit_instruct.train.window import gradient_factor, scale_gradients
-
-
-@dataclass
-class PreferenceConfig:
-    """The preference loss (TRL's names and defaults; :mod:`lit_instruct.loss.preference`)."""
-
-    kind: PreferenceKind = "dpo"
-    """``dpo`` (sigmoid), ``ipo`` (both against the reference), ``simpo`` or ``orpo`` (no reference)."""
-    beta: float = 0.1
-    """DPO/IPO/SimPO's β (IPO's τ), ORPO's λ."""
-    label_smoothing: float = 0.0
-    """Conservative DPO's / SimPO's ε, in ``[0, 0.5)``."""
-    gamma: float = 0.5
-    """SimPO's target margin γ."""
-    rpo_alpha: float = 0.0
-    """Weight of the chosen answers' mean NLL added to the loss (RPO; ORPO has it with weight 1)."""
-
-    def loss(self) -> PreferenceLoss:
-        """The loss these settings describe.
-
-        Raises:
-            ConfigError: naming the setting that cannot work (a kind, beta or smoothing out of range).
-        """
-        try:
-            return PreferenceLoss(**asdict(self))
-        except ValueError as error:
-            raise ConfigError("model.preference", str(error)) from None
 
 
 def metric_names(loss: PreferenceLoss) -> list[str]:
@@ -165,9 +138,20 @@ class PreferenceLoRAModule(InstructLoRAModule):
         self.val_sums: torch.Tensor | None = None
         self.reference_adapter: dict[str, torch.Tensor] | None = None
         if self.hparams.get("adapter") is not None and self.preference_loss.needs_reference:
-            self.reference_adapter = {
-                n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad
-            }
+            self.reference_adapter = self._trainable_copy()  # before a checkpoint's weights load
+
+    def configure_model(self) -> None:
+        """As :class:`InstructLoRAModule`'s; when this shards the model (``fsdp_lora``), the SFT
+        reference is taken again from the sharded parameters, which hold the adapter as loaded (on a
+        ``low_memory_load`` rank, as received from rank 0; a checkpoint is restored only after):
+        DTensors laid out as the parameters, so that the reference pass swaps shard for shard."""
+        sharding = not self._sharded
+        super().configure_model()
+        if sharding and self._sharded and self.reference_adapter is not None:
+            self.reference_adapter = self._trainable_copy()
+
+    def _trainable_copy(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
     # -- the reference --------------------------------------------------------------------------
 
@@ -201,6 +185,36 @@ class PreferenceLoRAModule(InstructLoRAModule):
                 for name, value in trained.items():
                     params[name].copy_(value)
 
+    def on_fit_start(self) -> None:
+        """With ``precompute_reference``, the reference log-probabilities of every pair, once."""
+        self._precompute_reference()
+
+    def on_validation_start(self) -> None:
+        self._precompute_reference()  # ``validate`` alone: the held-out pairs' (none left to do in fit)
+
+    def _precompute_reference(self) -> None:
+        if not self.preference.precompute_reference:
+            return
+        data: Any = getattr(self.trainer, "datamodule", None)
+        if not hasattr(data, "cache_reference"):
+            raise ConfigError(
+                "model.preference.precompute_reference",
+                f"needs the pairs of a PreferenceDataModule, got {type(data).__name__}",
+            )
+        device, precision = self.device, self.trainer.precision_plugin
+
+        def reference(batch: dict[str, Any]) -> torch.Tensor:
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            with torch.no_grad(), precision.forward_context(), self.reference_model():
+                logps = self.pair_logps(batch)
+            return torch.cat([logps.chosen, logps.rejected])
+
+        def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+            return self.trainer.strategy.reduce(values.to(device), reduce_op="sum").cpu()
+
+        trainer = self.trainer
+        data.cache_reference(reference, trainer.world_size, trainer.global_rank, all_reduce_sum)
+
     # -- steps ----------------------------------------------------------------------------------
 
     def pair_logps(self, batch: dict[str, Any], hidden: torch.Tensor | None = None) -> PairLogps:
@@ -221,11 +235,15 @@ class PreferenceLoRAModule(InstructLoRAModule):
         """The batch's summed loss over its counted pairs, the per-pair metrics' sums (in
         :attr:`PairWindow.names`' order), the counted pairs and their answers' tokens."""
         reference = None
-        if self.preference_loss.needs_reference:
+        cached = batch.get("reference_logps")
+        if self.preference_loss.needs_reference and cached is None:
             with torch.no_grad(), self.reference_model():
                 reference = self.pair_logps(batch)
         hidden, aux = self.trunk(batch)
         policy = self.pair_logps(batch, hidden)
+        if self.preference_loss.needs_reference and cached is not None:
+            sums = cached.to(policy.chosen.device, torch.float32)
+            reference = PairLogps.from_batch(sums, torch.cat([policy.chosen_tokens, policy.rejected_tokens]))
         num_pairs = len(policy.chosen)
         keep = batch.get("pair_mask")
         if keep is None:

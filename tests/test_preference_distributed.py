@@ -1,0 +1,130 @@
+"""Preference training (DPO) on 2 CPU processes (gloo) against one process with accumulation over the
+same global batches: DDP and FSDP give the gradient of the mean over every pair of the step, through an
+epoch's uneven last batch (a rank whose share is a padding repeat counts no pair) and a NaN on one
+rank (skipped on both), with the same ``train/`` and ``val/`` metrics. From an SFT adapter under FSDP
+the reference is that adapter, sharded as the parameters are: step 1 is ln 2 with zero rewards, and a
+resumed run keeps it (not the checkpoint's trained weights)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.train.preference_module import PreferenceLoRAModule
+from tests.preference_ddp_fit import fit, results, start_two_processes
+from tests.test_preference_loss import _perturb_lora
+
+ANSWERS = ["Yes.", "No", " ".join(["a very long answer"] * 12), "Four.", "A medium answer, of some words."]
+VAL = [
+    ("Name a colour.", "Green.", "A colour, I think, like the grass is."),
+    ("3 times 3?", "Nine.", "Six"),
+    ("Say hi.", "Hi!", "Goodbye, and see you later."),
+]
+
+
+def _write_pairs(path: Path, rows: list[tuple[str, str, str]]) -> str:
+    path.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def args(tiny_model_dir: Path, tmp_path: Path) -> dict:
+    """5 training pairs (answers of 1 to ~50 tokens): on 2 ranks of batch 2, an epoch's second step
+    holds one pair and a padding repeat. 3 validation pairs: one rank validates a repeat too."""
+    train = [(f"Question {i}?", a, ANSWERS[(i + 2) % len(ANSWERS)]) for i, a in enumerate(ANSWERS)]
+    return {
+        "model": str(tiny_model_dir),
+        "train": _write_pairs(tmp_path / "train.jsonl", train),
+        "val": _write_pairs(tmp_path / "val.jsonl", VAL),
+    }
+
+
+def assert_close_metrics(got: dict[str, float], expected: dict[str, float], where: str) -> None:
+    assert got.keys() == expected.keys(), where
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{where}: {name}"
+
+
+def assert_same_training(ranks: list[dict], one: dict) -> None:
+    """Every rank logged one process's ``train/`` metrics at every step and its ``val/`` metrics at
+    every validation, gave the optimizer its LoRA gradients and held its weights after every step."""
+    assert one["validations"] and one["weights"][-1]
+    for rank in ranks:
+        assert len(rank["steps"]) == len(one["steps"])
+        for step, (got, expected) in enumerate(zip(rank["steps"], one["steps"], strict=True), 1):
+            assert_close_metrics(got, expected, f"step {step}")
+        assert [s for s, _ in rank["validations"]] == [s for s, _ in one["validations"]]
+        for (step, got), (_, expected) in zip(rank["validations"], one["validations"], strict=True):
+            assert "val/loss" in expected
+            assert_close_metrics(got, expected, f"validation at step {step}")
+        for what in ("grads", "weights"):  # the gradient of the mean over the step's pairs, all ranks
+            assert len(rank[what]) == len(one[what]) == len(one["steps"])
+            for step, (got, expected) in enumerate(zip(rank[what], one[what], strict=True), 1):
+                assert got.keys() == expected.keys()
+                for name, value in expected.items():
+                    where = f"{what} after step {step}, {name}"
+                    torch.testing.assert_close(
+                        got[name], value, atol=1e-7, rtol=1e-5, msg=lambda m, w=where: f"{w}: {m}"
+                    )
+
+
+def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(before[name], after[name]) for name in before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp_lora", "fsdp_lora"])
+def test_dpo_on_two_ranks_equals_one_process_accumulating(strategy, args, tmp_path) -> None:
+    """The reference: the adapter switched off. Each epoch: a step of 4 pairs, then one of the last
+    pair (rank 1 holding only a repeat). Step 2's loss is NaN on rank 1 (one process: in both its
+    micro-batches), skipped on both ranks."""
+    args |= {"max_steps": 4, "strategy": strategy}
+    two = {**args, "out": str(tmp_path / "two"), "nan_loss_at": [1], "fault_rank": 1}
+    processes = start_two_processes(two)  # they load while one process trains
+    one = fit(
+        {**args, "out": str(tmp_path / "one"), "nan_loss_at": [1]}, devices=1, accumulate_grad_batches=2
+    )
+    ranks = results(processes, two)
+
+    assert [(r["world"], r["skipped"]) for r in ranks] == [(2, 1), (2, 1)] and one["skipped"] == 1
+    assert [s["pairs"] for s in one["steps"]] == [4, 1, 4, 1]
+    assert one["steps"][0]["loss"] != pytest.approx(math.log(2))  # the adapter on: not its reference
+    weights = one["weights"]
+    assert [bool(g) for g in one["grads"]] == [True, False, True, True]  # a skipped step: none
+    assert not _changed(weights[0], weights[1]) and _changed(weights[1], weights[2])
+    assert _changed(weights[2], weights[3])
+    assert_same_training(ranks, one)
+
+
+@pytest.mark.slow
+def test_fsdp_from_an_sft_adapter_starts_at_ln2_and_resumes_against_it(args, tmp_path) -> None:
+    """Continuing from an SFT adapter under ``fsdp_lora`` (rank 1 built on the meta device): step 1's
+    loss is ln 2 with zero rewards on both ranks, the training is one process's, and a run resumed
+    from step 1's checkpoint takes the same step 2 (its reference still the SFT adapter)."""
+    sft = PreferenceLoRAModule(model=args["model"], lora=LoRAConfig(r=4, alpha=8))
+    _perturb_lora(sft.model)  # away from the base: a reference that were the base would show
+    args |= {"adapter": str(sft.write_adapter(tmp_path / "sft")), "max_steps": 2, "strategy": "fsdp_lora"}
+    two = {**args, "out": str(tmp_path / "two"), "ckpt_every": 1, "resume_at": 1, "low_memory_load": True}
+    processes = start_two_processes(two)
+    one = fit({**args, "out": str(tmp_path / "one")}, devices=1, accumulate_grad_batches=2)
+    ranks = results(processes, two)
+
+    assert [(r["world"], r["built_on_meta"]) for r in ranks] == [(2, False), (2, True)]
+    for rank in ranks:
+        first = rank["steps"][0]
+        assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+        assert first["rewards/chosen"] == first["rewards/rejected"] == first["rewards/margins"] == 0.0
+    assert [s["pairs"] for s in one["steps"]] == [4, 1]
+    assert_same_training(ranks, one)
+
+    for rank in ranks:  # resumed from step 1's checkpoint: step 2 again
+        resumed = rank["resumed"]
+        assert len(resumed["steps"]) == 1
+        assert_close_metrics(resumed["steps"][0], rank["steps"][1], "resumed step 2")
+        for name, value in rank["weights"][1].items():
+            torch.testing.assert_close(resumed["weights"][0][name], value, atol=1e-6, rtol=1e-5, msg=name)
