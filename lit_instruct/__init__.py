@@ -25,6 +25,9 @@ _EXPORTS = {
     "InstructLoRAModule": "lit_instruct.train.module",
     "InstructTrainer": "lit_instruct.train.trainer",
     "LoRAConfig": "lit_instruct.models.lora",
+    "PreferenceConfig": "lit_instruct.loss.preference",
+    "PreferenceDataModule": "lit_instruct.data.preference_datamodule",
+    "PreferenceLoRAModule": "lit_instruct.train.preference_module",
     "fused_linear_cross_entropy": "lit_instruct.loss.fused",
 }
 
@@ -38,16 +41,22 @@ __all__ = [
     "LoRADDPStrategy",
     "LoRAFSDPStrategy",
     "OneDeviceStrategy",
+    "PreferenceConfig",
+    "PreferenceDataModule",
+    "PreferenceLoRAModule",
     "__version__",
     "fused_linear_cross_entropy",
 ]
 
 if TYPE_CHECKING:
     from lit_instruct.data.datamodule import InstructDataModule
+    from lit_instruct.data.preference_datamodule import PreferenceDataModule
     from lit_instruct.data.sources import DataSource
     from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
+    from lit_instruct.loss.preference import PreferenceConfig
     from lit_instruct.models.lora import LoRAConfig
     from lit_instruct.train.module import InstructLoRAModule
+    from lit_instruct.train.preference_module import PreferenceLoRAModule
     from lit_instruct.train.strategy import (
         LoRADDPStrategy,
         LoRAFSDPStrategy,

@@ -21,12 +21,14 @@ batch; over a window, a pair-weighted mean of the micro-batches' token means).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.distributed import full_tensor
@@ -212,8 +214,13 @@ class PreferenceLoRAModule(InstructLoRAModule):
         def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
             return self.trainer.strategy.reduce(values.to(device), reduce_op="sum").cpu()
 
-        trainer = self.trainer
-        data.cache_reference(reference, trainer.world_size, trainer.global_rank, all_reduce_sum)
+        trainer, start = self.trainer, time.perf_counter()
+        computed = data.cache_reference(reference, trainer.world_size, trainer.global_rank, all_reduce_sum)
+        if computed:
+            rank_zero_info(
+                f"lit-instruct: reference log-probabilities of {computed} pairs computed once, in "
+                f"{time.perf_counter() - start:.1f} s"
+            )
 
     # -- steps ----------------------------------------------------------------------------------
 
