@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
@@ -23,6 +24,7 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
+from tests import wandb_reader
 from tests.helpers import (
     FaultyModule,
     GradCapture,
@@ -220,13 +222,20 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir, pairs_file):
         data.setup("fit")
 
 
-def test_fit_with_the_dpo_config_writes_reward_metrics_and_an_adapter(tiny_model_dir, pairs_file, tmp_path):
+def test_fit_with_the_dpo_config_writes_reward_metrics_and_an_adapter(
+    tiny_model_dir, pairs_file, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("WANDB_MODE", "offline")
     loggers = tmp_path / "loggers.yaml"
     csv_logger = {
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(tmp_path), "name": ""},
     }
-    loggers.write_text(yaml.safe_dump({"trainer": {"logger": [csv_logger]}}))
+    wandb_logger = {
+        "class_path": "lit_instruct.loggers.AutoWandbLogger",
+        "init_args": {"save_dir": str(tmp_path)},
+    }
+    loggers.write_text(yaml.safe_dump({"trainer": {"logger": [csv_logger, wandb_logger]}}))
     args = ["fit", "--config", str(ROOT / "configs" / "dpo.yaml"), "--config", str(loggers)]
     args += ["--model.model", str(tiny_model_dir), "--data.train_files", f"[{pairs_file}]"]
     args += ["--data.val_fraction", "0.4", "--data.batch_size", "2", "--trainer.max_steps", "2"]
@@ -243,3 +252,11 @@ def test_fit_with_the_dpo_config_writes_reward_metrics_and_an_adapter(tiny_model
     assert float(validated[0]["val/loss"]) == pytest.approx(math.log(2), rel=1e-6)  # before fit
     assert float(validated[0]["val/rewards/margins"]) == 0.0
     assert (tmp_path / "version_0" / "adapter" / "adapter_model.safetensors").is_file()
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")  # W&B: the same values, TRL's names
+    wandb.finish()  # the CLI's run, still open
+    history = wandb_reader.settled_history(run_file, "val/loss", rows=len(validated))
+    for split, rows in (("train", trained), ("val", validated)):
+        for name in ["loss", *REWARD_METRICS, *LOGPS_METRICS]:
+            logged = [row[f"{split}/{name}"] for row in history if f"{split}/{name}" in row]
+            expected = [float(row[f"{split}/{name}"]) for row in rows]
+            assert logged == pytest.approx(expected, rel=1e-6), f"{split}/{name}"
