@@ -33,10 +33,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from vs_trl import instruction_records, peak_rss_mb, write_jsonl
+from vs_trl import (  # the same work as the SFT benchmark's
+    BATCH,
+    LR,
+    MAX_LENGTH,
+    RANK,
+    SEED,
+    in_order,
+    instruction_records,
+    peak_rss_mb,
+    trl_args,
+    trl_lora,
+    trl_step_clock,
+    write_jsonl,
+)
 from workers import run_worker
 
-BATCH, MAX_LENGTH, LR, SEED, RANK, BETA = 4, 512, 2e-4, 0, 16, 0.1
+BETA = 0.1
 OURS = {  # (module options, Trainer precision)
     "ours-eager": ({}, "32-true"),
     "ours-auto": ({"dtype": "auto"}, "auto"),
@@ -131,9 +144,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
 def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     from lit_instruct.model_names import prepare_smollm2
@@ -149,25 +160,6 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
         for i in order
     ]
 
-    class InOrder(DPOTrainer):  # lit-instruct's order, so both see the same batches
-        def _get_train_sampler(self, train_dataset=None):
-            return SequentialSampler(train_dataset or self.train_dataset)
-
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.losses: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
-
     counted: list[int] = []
 
     def counting(collator):
@@ -181,37 +173,15 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
     torch.manual_seed(SEED)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    clock = StepClock()
+    clock = trl_step_clock()
     with tempfile.TemporaryDirectory() as tmp:
-        config = DPOConfig(
-            output_dir=tmp,
-            per_device_train_batch_size=BATCH,
-            max_length=MAX_LENGTH,
-            max_steps=steps,
-            learning_rate=LR,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_grad_norm=1.0,
-            beta=BETA,
-            loss_type=["sigmoid"],
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            **{"bf16": False, **options},
-            seed=SEED,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-        )
-        peft = LoraConfig(
-            r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-        )
-        trainer = InOrder(
+        config = DPOConfig(**trl_args(tmp, steps, options), beta=BETA, loss_type=["sigmoid"])
+        trainer = in_order(DPOTrainer)(
             model=model,
             args=config,
             train_dataset=Dataset.from_list(pairs),
             processing_class=tokenizer,
-            peft_config=peft,
+            peft_config=trl_lora(),
             callbacks=[clock],
         )
         trainer.data_collator = counting(trainer.data_collator)

@@ -168,29 +168,22 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
     return {"steps": clock.rows, "peak_rss_mb": peak_rss_mb(), "bf16": bf16}
 
 
-def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
+def in_order(trainer_class: type) -> type:
+    """``trainer_class`` (a TRL trainer) taking its dataset in order: lit-instruct's order, so that
+    both see the same batches."""
     from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
 
-    from lit_instruct.model_names import prepare_smollm2
-
-    path = prepare_smollm2()
-    rows = [json.loads(line) for line in data.read_text().splitlines()]
-    conversations = [
-        {
-            "prompt": [{"role": "user", "content": rows[i]["prompt"]}],
-            "completion": [{"role": "assistant", "content": rows[i]["completion"]}],
-        }
-        for i in order
-    ]
-
-    class InOrder(SFTTrainer):  # lit-instruct's order, so both see the same batches
+    class InOrder(trainer_class):  # type: ignore[misc, valid-type]
         def _get_train_sampler(self, train_dataset=None):
             return SequentialSampler(train_dataset or self.train_dataset)
+
+    return InOrder
+
+
+def trl_step_clock() -> Any:
+    """A ``transformers`` callback keeping each optimizer step's seconds (``times``) and each logged
+    loss (``losses``)."""
+    from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
@@ -207,6 +200,60 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
             if logs and "loss" in logs:
                 self.losses.append(float(logs["loss"]))
 
+    return StepClock()
+
+
+def trl_args(output_dir: str, steps: int, options: dict) -> dict:
+    """TRL's training arguments as both benchmarks run them: batch, length, constant LR, clipping,
+    CPU, a log line a step, no saving; ``options`` over fp32 (gradient checkpointing: TRL's default
+    is on, off is faster)."""
+    return dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=BATCH,
+        max_length=MAX_LENGTH,
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        **{"bf16": False, **options},
+        seed=SEED,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
+def trl_lora() -> Any:
+    """peft's LoRA as both tools train it here: r=16, alpha 32, no dropout, every linear layer."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+
+
+def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from lit_instruct.model_names import prepare_smollm2
+
+    path = prepare_smollm2()
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    conversations = [
+        {
+            "prompt": [{"role": "user", "content": rows[i]["prompt"]}],
+            "completion": [{"role": "assistant", "content": rows[i]["completion"]}],
+        }
+        for i in order
+    ]
+
     counted: list[tuple[int, int]] = []
 
     def counting(collator):
@@ -220,35 +267,15 @@ def run_trl(data: Path, steps: int, order: list[int], options: dict) -> dict:
     torch.manual_seed(SEED)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    clock = StepClock()
+    clock = trl_step_clock()
     with tempfile.TemporaryDirectory() as tmp:
-        config = SFTConfig(
-            output_dir=tmp,
-            per_device_train_batch_size=BATCH,
-            max_length=MAX_LENGTH,
-            max_steps=steps,
-            learning_rate=LR,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            max_grad_norm=1.0,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            **{"bf16": False, **options},  # gradient checkpointing: TRL's default is on, off is faster
-            seed=SEED,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
-        )
-        peft = LoraConfig(
-            r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
-        )
-        trainer = InOrder(
+        config = SFTConfig(**trl_args(tmp, steps, options))
+        trainer = in_order(SFTTrainer)(
             model=model,
             args=config,
             train_dataset=Dataset.from_list(conversations),
             processing_class=tokenizer,
-            peft_config=peft,
+            peft_config=trl_lora(),
             callbacks=[clock],
         )
         trainer.data_collator = counting(trainer.data_collator)
