@@ -5,7 +5,8 @@
 Optional: ``strategy`` (default ``ddp_lora``), ``adapter`` (an SFT adapter to continue from; else
 fresh adapters with LoRA B drawn, so that the policy is not its reference), ``batch_size`` (2),
 ``nan_loss_at`` (optimizer steps, 0-based) with ``fault_rank``, ``low_memory_load``, ``ckpt_every``
-(checkpoints into ``out``), ``ckpt_path``.
+(checkpoints into ``out``), ``ckpt_path``, ``precompute_reference``; ``then_precompute``: fit again
+in the same processes with ``precompute_reference`` (results under ``precomputed``).
 
 :func:`start_two_processes` starts both ranks (``LOCAL_RANK`` set: Lightning launches none); each
 writes ``<out>/rank<r>.pt`` (:func:`fit`'s results). :func:`fit` called in a test runs the
@@ -30,16 +31,30 @@ from lit_instruct.callbacks import SkipNonFiniteSteps
 from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.distributed import full_tensor
 from lit_instruct.models.lora import LoRAConfig
-from lit_instruct.train.preference_module import PreferenceLoRAModule
+from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
 from tests.ddp_fit import free_port
 from tests.helpers import FaultyModule
 
 
 class PreferenceFaulty(FaultyModule, PreferenceLoRAModule):
     """A NaN loss in the micro-batches of chosen optimizer steps (``nan_loss_at``: 0-based, across
-    epochs), on ``fault_rank`` only if given."""
+    epochs), on ``fault_rank`` only if given. Counts the reference passes (the model switched to the
+    reference): all of them, and those inside the training and validation steps."""
 
     grads: list[dict[str, torch.Tensor]]
+    reference_passes = 0
+    step_reference_passes = 0
+
+    def reference_model(self):
+        self.reference_passes += 1
+        return super().reference_model()
+
+    def pair_losses(self, batch):
+        before = self.reference_passes
+        try:
+            return super().pair_losses(batch)
+        finally:
+            self.step_reference_passes += self.reference_passes - before
 
     def _faulty_here(self, steps: set[int]) -> bool:
         return (self.fault_rank is None or self.global_rank == self.fault_rank) and self.global_step in steps
@@ -88,6 +103,7 @@ def setup(args: dict[str, Any], batch_size: int) -> tuple[PreferenceLoRAModule, 
         low_memory_load=args.get("low_memory_load", False),
         nan_loss_at=tuple(args.get("nan_loss_at", ())),
         fault_rank=args.get("fault_rank"),
+        preference=PreferenceConfig(precompute_reference=args.get("precompute_reference", False)),
     )
     if adapter is None:
         generator = torch.Generator().manual_seed(1)
@@ -144,6 +160,8 @@ def fit(args: dict[str, Any], devices: int = 2, accumulate_grad_batches: int = 1
         "world": trainer.world_size,
         "rank": trainer.global_rank,
         "built_on_meta": module.built_on_meta,
+        "reference_passes": module.reference_passes,
+        "step_reference_passes": module.step_reference_passes,
     }
 
 
@@ -178,8 +196,13 @@ def results(processes: list[subprocess.Popen], args: dict[str, Any]) -> list[dic
 
 def main(args: dict[str, Any]) -> None:
     """Fit; with ``resume_at`` (a step that ``ckpt_every`` checkpointed), fit again in these processes
-    from that checkpoint (into ``<out>/resumed``): its results are under ``resumed``."""
+    from that checkpoint (into ``<out>/resumed``): its results are under ``resumed``; with
+    ``then_precompute``, fit again with ``precompute_reference`` (into ``<out>/precomputed``)."""
     result = fit(args)
+    if args.get("then_precompute"):
+        rest = {k: v for k, v in args.items() if k != "then_precompute"}
+        into = str(Path(args["out"]) / "precomputed")
+        result["precomputed"] = fit({**rest, "out": into, "precompute_reference": True})
     if "resume_at" in args:
         out = Path(args["out"])
         checkpoint = out / f"epoch=0-step={args['resume_at']}.ckpt"

@@ -1,7 +1,9 @@
 """Preference training (DPO) on 2 CPU processes (gloo) against one process with accumulation over the
 same global batches: DDP and FSDP give the gradient of the mean over every pair of the step, through an
 epoch's uneven last batch (a rank whose share is a padding repeat counts no pair) and a NaN on one
-rank (skipped on both), with the same ``train/`` and ``val/`` metrics. From an SFT adapter under FSDP
+rank (skipped on both), with the same ``train/`` and ``val/`` metrics, also with the reference
+log-probabilities computed once before training (``precompute_reference``: shared out over the ranks,
+one of them computing a padding repeat; then no step runs a reference pass). From an SFT adapter under FSDP
 the reference is that adapter, sharded as the parameters are: step 1 is ln 2 with zero rewards, and a
 resumed run keeps it (not the checkpoint's trained weights)."""
 
@@ -82,9 +84,12 @@ def _changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) ->
 def test_dpo_on_two_ranks_equals_one_process_accumulating(strategy, args, tmp_path) -> None:
     """The reference: the adapter switched off. Each epoch: a step of 4 pairs, then one of the last
     pair (rank 1 holding only a repeat). Step 2's loss is NaN on rank 1 (one process: in both its
-    micro-batches), skipped on both ranks."""
+    micro-batches), skipped on both ranks. The ranks then fit again (same processes) with the
+    reference precomputed: 5 training pairs in 2 forwards of 2 a rank (rank 1's second a repeat of
+    pair 1), 3 held-out pairs in one (rank 1's holding a repeat); the same training as the one
+    process running the reference in every step, and no reference pass in the steps."""
     args |= {"max_steps": 4, "strategy": strategy}
-    two = {**args, "out": str(tmp_path / "two"), "nan_loss_at": [1], "fault_rank": 1}
+    two = {**args, "out": str(tmp_path / "two"), "nan_loss_at": [1], "fault_rank": 1, "then_precompute": True}
     processes = start_two_processes(two)  # they load while one process trains
     one = fit(
         {**args, "out": str(tmp_path / "one"), "nan_loss_at": [1]}, devices=1, accumulate_grad_batches=2
@@ -99,6 +104,13 @@ def test_dpo_on_two_ranks_equals_one_process_accumulating(strategy, args, tmp_pa
     assert not _changed(weights[0], weights[1]) and _changed(weights[1], weights[2])
     assert _changed(weights[2], weights[3])
     assert_same_training(ranks, one)
+    micro_batches = 4 + len(one["validations"])  # a rank's: 4 steps of 1, a validation batch each
+    assert [(r["reference_passes"], r["step_reference_passes"]) for r in ranks] == [(micro_batches,) * 2] * 2
+
+    precomputed = [rank["precomputed"] for rank in ranks]
+    assert [(r["world"], r["skipped"]) for r in precomputed] == [(2, 1), (2, 1)]
+    assert [(r["reference_passes"], r["step_reference_passes"]) for r in precomputed] == [(3, 0), (3, 0)]
+    assert_same_training(precomputed, one)
 
 
 @pytest.mark.slow
