@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import warnings
 from collections.abc import Mapping
@@ -92,9 +93,22 @@ class OneLineErrorParser(LightningArgumentParser):
         if not self.exit_on_error or debug_mode_active():
             super().error(message, ex)
         prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
-        line = " ".join(message.split())
+        line = union_error(" ".join(message.split()))
         sys.stderr.write(f"lit-instruct: config error: {line} (`{prog} --help` lists the settings)\n")
         raise SystemExit(2)
+
+
+def union_error(line: str) -> str:
+    """jsonargparse's error for a settings group typed ``X | None`` (``model.preference``), cut to the
+    group's own complaint: ``model.preference.beta: Expected a <class 'float'>. Got value: abc``."""
+    key = re.match(r'Parser key "([^"]+)": Does not validate against any of the Union subtypes', line)
+    inner = re.search(r"Problem with given class_path '[^']*': (.*?) - Expected a <class 'NoneType'>", line)
+    if key is None or inner is None:
+        return line
+    nested = re.match(r'Parser key "([^"]+)": (.*)', inner.group(1))
+    if nested:
+        return f"{key.group(1)}.{nested.group(1)}: {nested.group(2)}"
+    return f"{key.group(1)}: {inner.group(1)}"
 
 
 def preference_requested(args: list[str] | Mapping[str, Any] | None) -> bool:

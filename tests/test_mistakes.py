@@ -128,7 +128,16 @@ MISTAKES = [
     ),
     (
         ["--model.preference.kind", "kto"],
-        "config error: model.preference.kind: must be one of dpo, ipo, simpo, orpo; got 'kto'",
+        "config error: model.preference.kind: Expected a typing.Literal['dpo', 'ipo', 'simpo', 'orpo']. Got "
+        "value: kto",
+    ),
+    (
+        ["--model.preference.bta", "0.2"],
+        "lit-instruct: config error: model.preference: Option 'bta' is not accepted",
+    ),
+    (
+        ["--model.lora.rr", "4"],
+        "lit-instruct: config error: model.lora.rr: is not a setting; the settings are r, alpha, dropout, ",
     ),
     (
         ["--model.preference.kind", "simpo", "--model.preference.precompute_reference", "true"],

@@ -132,6 +132,7 @@ def test_truncation_keeps_the_prompt_end_and_cuts_both_answers_alike(tokenizer):
             {"prompt": [{"role": "user", "content": ""}], "chosen": "A", "rejected": "B"},
             r"'prompt\[0\]\.content'",
         ),
+        ({"prompt": "Hi", "chosen": "Same.", "rejected": "Same."}, "hold the same answer"),
     ],
 )
 def test_bad_records_are_refused_with_file_line_and_field(raw, message, tokenizer):

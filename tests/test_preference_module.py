@@ -217,9 +217,34 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir, pairs_file):
         PreferenceLoRAModule(
             model=str(tiny_model_dir), preference=PreferenceConfig("ipo", label_smoothing=0.1)
         )
-    data = PreferenceDataModule(tokenizer=str(tiny_model_dir), train_files=[str(pairs_file)], packing=True)
-    with pytest.raises(ConfigError, match=r"data\.packing: must be false"):
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        (
+            "packing",
+            True,
+            "data.packing: must be false for preference data (pairs are padded rows), got true",
+        ),
+        ("streaming", True, "data.streaming: must be false for preference data (pairs are prepared before "),
+        (
+            "chatterbot_categories",
+            ["ai"],
+            "data.chatterbot_categories: must be null for preference data (the ",
+        ),
+        ("train_on", "all", "data.train_on: must be answers for preference data (a pair trains its two answ"),
+        ("multi_turn", "all", "data.multi_turn: must be auto or last for preference data (only each pair's "),
+        ("format", "chat", "data.format: "),
+    ],
+)
+def test_sft_only_data_settings_are_refused_naming_them(tiny_model_dir, pairs_file, setting, value, message):
+    data = PreferenceDataModule(
+        tokenizer=str(tiny_model_dir), train_files=[str(pairs_file)], **{setting: value}
+    )
+    with pytest.raises(ConfigError) as refused:
         data.setup("fit")
+    assert str(refused.value).startswith(message)
 
 
 def test_fit_with_the_dpo_config_writes_reward_metrics_and_an_adapter(

@@ -4,6 +4,8 @@ reference pass in every step (fresh and from an SFT adapter), and the steps no l
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -111,3 +113,47 @@ def test_precompute_reference_is_refused_where_there_is_no_reference(tiny_model_
         PreferenceLoRAModule(
             model=str(tiny_model_dir), preference=PreferenceConfig("simpo", precompute_reference=True)
         )
+
+
+def _reference_fn(module: PreferenceLoRAModule):
+    def reference(batch):
+        with torch.no_grad(), module.reference_model():
+            logps = module.pair_logps(batch)
+        return torch.cat([logps.chosen, logps.rejected])
+
+    return reference
+
+
+def test_a_second_module_on_the_same_data_is_never_scored_against_the_first_ones_reference(
+    tiny_model_dir,
+    pairs_file,  # noqa: F811
+    tmp_path,
+):
+    """Module A continues an SFT adapter (its reference: the SFT model) and caches its values on the
+    data module; a fresh module B (its reference: the base) on the same data module must start at
+    ln 2, with the cache off (ignoring the batches' values) and on (computing its own)."""
+    sft = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LORA)
+    _perturb_lora(sft.model)
+    first = PreferenceLoRAModule(
+        model=str(tiny_model_dir),
+        adapter=str(sft.write_adapter(tmp_path / "sft")),
+        preference=PreferenceConfig(precompute_reference=True),
+    )
+    data = _data(tiny_model_dir, pairs_file, batch_size=5)
+    assert data.cache_reference(_reference_fn(first), first.reference_key) == 5
+    assert data.cache_reference(_reference_fn(first), first.reference_key) == 0  # kept: computed once
+    firsts = torch.tensor([p.reference for p in data.pairs("train").pairs], dtype=torch.float64)
+
+    for precompute in (False, True):
+        second = PreferenceLoRAModule(
+            model=str(tiny_model_dir), lora=LORA, preference=PreferenceConfig(precompute_reference=precompute)
+        )
+        own = _reference_fn(second)(data._collator()(data.pairs("train").pairs)).double()
+        assert not torch.allclose(own, torch.cat([firsts[:, 0], firsts[:, 1]]))  # reading A's would show
+        if precompute:
+            assert data.cache_reference(_reference_fn(second), second.reference_key, ("train",)) == 5
+        batch = next(iter(data.train_dataloader()))
+        assert "reference_logps" in batch
+        second.train()
+        loss_sum, _, pairs, _ = second.pair_losses(batch)
+        assert float(loss_sum) / pairs == pytest.approx(math.log(2), rel=1e-6), precompute

@@ -323,6 +323,13 @@ def to_preference_record(raw: Any, source: str) -> PreferenceRecord:
         turn = side.turns[0]
         if len(side.turns) != 1 or not isinstance(turn, dict) or turn.get("role") != "assistant":
             raise DataError(source, f"field '{side.field}' must be one assistant turn", "bad_pair")
+    if chosen.turns == rejected.turns:
+        raise DataError(
+            source,
+            "fields 'chosen' and 'rejected' hold the same answer: the pair teaches nothing (its DPO loss "
+            "stays ln 2, its gradient 0)",
+            "same_answers",
+        )
     tied = _scores_tied(raw, source)
     _check_messages(raw, prompt, chosen, source)
     context = [*_system(raw, prompt, source), prompt]

@@ -40,6 +40,7 @@ from lit_instruct.data.store import SampleStore
 from lit_instruct.data.validation import Rejects, check_vocabulary
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.rules import shown
 
 
 class PairStore(Sequence[PreferencePair]):
@@ -48,6 +49,7 @@ class PairStore(Sequence[PreferencePair]):
 
     def __init__(self, parts: Sequence[tuple[int, Sequence[PreferencePair]]], names: Sequence[str]) -> None:
         self.pairs = [pair for _, part in parts for pair in part]
+        self.reference_key: str | None = None  # whose reference values the pairs carry, if any
         self.names = list(names)
         self.source_ids = np.array([index for index, part in parts for _ in part], dtype=np.int32)
 
@@ -204,20 +206,30 @@ class PreferenceDataModule(InstructDataModule):
 
     def _refuse_sft_only(self) -> None:
         hparams = self.hparams
-        refused = {
-            "data.packing": (hparams.get("packing"), "false: pairs are padded rows"),
-            "data.streaming": (hparams.get("streaming"), "false: preference data is prepared"),
+        refused = {  # setting: (refused, what is right, why)
+            "data.packing": (hparams.get("packing"), "false", "pairs are padded rows"),
+            "data.streaming": (hparams.get("streaming"), "false", "pairs are prepared before training"),
             "data.chatterbot_categories": (
                 hparams.get("chatterbot_categories"),
-                "null: the chatterbot corpus has no preference pairs",
+                "null",
+                "the chatterbot corpus has no preference pairs",
             ),
-            "data.train_on": (hparams.get("train_on") not in (None, "answers"), "answers"),
-            "data.multi_turn": (hparams.get("multi_turn") not in (None, "auto", "last"), "auto or last"),
+            "data.train_on": (
+                hparams.get("train_on") not in (None, "answers"),
+                "answers",
+                "a pair trains its two answers",
+            ),
+            "data.multi_turn": (
+                hparams.get("multi_turn") not in (None, "auto", "last"),
+                "auto or last",
+                "only each pair's last answer is trained",
+            ),
         }
-        for setting, (value, right) in refused.items():
+        for setting, (value, right, why) in refused.items():
             if value:
                 raise ConfigError(
-                    setting, f"must be {right} for preference data, got {hparams.get(setting[5:])!r}"
+                    setting,
+                    f"must be {right} for preference data ({why}), got {shown(hparams.get(setting[5:]))}",
                 )
         for source in self.sources + self.val_sources:
             if source.path.startswith(CHATTERBOT):
@@ -335,21 +347,31 @@ class PreferenceDataModule(InstructDataModule):
     def cache_reference(
         self,
         reference: ReferenceFn,
+        key: str,
+        splits: Sequence[str] = ("train", "val"),
         world_size: int = 1,
         rank: int = 0,
         all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     ) -> int:
-        """Compute the reference log-probabilities of every training and held-out pair that has none
-        yet, once (:func:`~lit_instruct.data.reference_cache.compute_reference`); the batches then
-        carry them. Returns how many pairs were computed (0 when all already had theirs)."""
+        """Compute the reference log-probabilities of every pair of ``splits`` once
+        (:func:`~lit_instruct.data.reference_cache.compute_reference`); the batches then carry them.
+        ``key`` names the reference (a module's): values kept under another key are computed again,
+        so a second model on this data module is never scored against the first one's reference.
+        Returns how many pairs were computed (0 when all had this key's values already)."""
         computed = 0
-        for split in ("train", "val"):
+        for split in splits:
             store = self.pairs(split)
-            if store.pairs and any(p.reference is None for p in store.pairs):
-                collate = self._collator()
+            if store.pairs and store.reference_key != key:
                 store.pairs[:] = compute_reference(
-                    store.pairs, collate, reference, self.eval_batch_size, world_size, rank, all_reduce_sum
+                    store.pairs,
+                    self._collator(),
+                    reference,
+                    self.eval_batch_size,
+                    world_size,
+                    rank,
+                    all_reduce_sum,
                 )
+                store.reference_key = key
                 computed += len(store.pairs)
         return computed
 

@@ -49,12 +49,13 @@ SHAREGPT_ROLES = {
 """ShareGPT's ``from`` values and the roles they are."""
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Where assistant turns keep their reasoning; templates are given it under the first two names."""
+PAIRS_HINT = "SFT trains on demonstrations; preference pairs train with model.preference: configs/dpo.yaml"
 REFUSED_FIELDS = {
     "images": "images (text-only training: the model would learn answers about pictures it never saw)",
     "videos": "videos (text-only training)",
     "audios": "audio (text-only training)",
-    "chosen": "a preference pair (DPO-style data; this trains on demonstrations)",
-    "rejected": "a preference pair (DPO-style data; this trains on demonstrations)",
+    "chosen": f"a preference pair ({PAIRS_HINT})",
+    "rejected": f"a preference pair ({PAIRS_HINT})",
     "function_call": "OpenAI's legacy function_call (use tool_calls)",
     "functions": "OpenAI's legacy functions (use tools)",
 }
@@ -601,10 +602,11 @@ def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
         if all(key in raw for key in fmt.detect):
             return name  # type: ignore[return-value]  # FORMATS' keys are RecordFormat's (tested)
     labels = [fmt.label for fmt in FORMATS.values()]
+    pairs = f"; 'chosen'/'rejected' are a preference pair ({PAIRS_HINT})" if "chosen" in raw else ""
     raise DataError(
         source,
         f"record has keys {sorted(raw)}; expected {', '.join(labels[:-1])} or {labels[-1]} (map other "
-        "names with columns)",
+        f"names with columns){pairs}",
         reason="unknown_format",
     )
 

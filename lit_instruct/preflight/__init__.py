@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from torch import nn
@@ -31,9 +31,24 @@ def config_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """The flat settings (``model.lora.r``...) of a parsed ``fit`` config, defaults filled in for the
     nested LoRA and quantization settings."""
     model = dict(config.get("model") or {})
-    model["lora"] = asdict(LoRAConfig(**(model.get("lora") or {})))
-    model["quantization"] = asdict(QuantizationConfig(**(model.get("quantization") or {})))
+    model["lora"] = asdict(_settings(LoRAConfig, model.get("lora"), "model.lora"))
+    model["quantization"] = asdict(
+        _settings(QuantizationConfig, model.get("quantization"), "model.quantization")
+    )
+    if model.get("preference") is not None:
+        model["preference"] = asdict(_settings(PreferenceConfig, model["preference"], "model.preference"))
     return flatten({**config, "model": model})
+
+
+def _settings(kind: Any, values: Any, setting: str) -> Any:
+    """``kind`` (a settings dataclass) from a config's mapping; a key it does not have is refused."""
+    if values is None or isinstance(values, kind):
+        return values or kind()
+    known = [f.name for f in fields(kind)]
+    unknown = [key for key in values if key not in known]
+    if unknown:
+        raise ConfigError(f"{setting}.{unknown[0]}", f"is not a setting; the settings are {', '.join(known)}")
+    return kind(**values)
 
 
 @dataclass
@@ -61,9 +76,8 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     settings = config_settings(config)
     check_values(settings)
     refuse_conflicts(settings)
-    preference = settings.get("model.preference")
-    if preference is not None:
-        PreferenceConfig(**preference).loss()
+    if settings.get("model.preference") is not None:
+        PreferenceConfig(**settings["model.preference"]).loss()
     lora = LoRAConfig(**settings["model.lora"])
     adapter = settings.get("model.adapter")
     if adapter is not None:

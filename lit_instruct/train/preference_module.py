@@ -22,6 +22,7 @@ batch; over a window, a pair-weighted mean of the micro-batches' token means).
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -125,9 +126,7 @@ class PreferenceLoRAModule(InstructLoRAModule):
             it is then the reference too, so the first step's DPO loss is ln 2, its rewards 0).
     """
 
-    def __init__(
-        self, *args: Any, preference: PreferenceConfig | dict[str, Any] | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, preference: PreferenceConfig | None = None, **kwargs: Any) -> None:
         if isinstance(preference, dict):
             preference = PreferenceConfig(**preference)
         self.preference = preference or PreferenceConfig()
@@ -138,6 +137,7 @@ class PreferenceLoRAModule(InstructLoRAModule):
         self.hparams["preference"] = asdict(self.preference)
         self.pair_window = PairWindow(metric_names(self.preference_loss))
         self.val_sums: torch.Tensor | None = None
+        self.reference_key = uuid.uuid4().hex  # names this module's precomputed reference values
         self.reference_adapter: dict[str, torch.Tensor] | None = None
         if self.hparams.get("adapter") is not None and self.preference_loss.needs_reference:
             self.reference_adapter = self._trainable_copy()  # before a checkpoint's weights load
@@ -189,12 +189,12 @@ class PreferenceLoRAModule(InstructLoRAModule):
 
     def on_fit_start(self) -> None:
         """With ``precompute_reference``, the reference log-probabilities of every pair, once."""
-        self._precompute_reference()
+        self._precompute_reference(("train", "val"))
 
     def on_validation_start(self) -> None:
-        self._precompute_reference()  # ``validate`` alone: the held-out pairs' (none left to do in fit)
+        self._precompute_reference(("val",))  # ``validate`` alone: the held-out pairs (in fit: done)
 
-    def _precompute_reference(self) -> None:
+    def _precompute_reference(self, splits: tuple[str, ...]) -> None:
         if not self.preference.precompute_reference:
             return
         data: Any = getattr(self.trainer, "datamodule", None)
@@ -215,7 +215,9 @@ class PreferenceLoRAModule(InstructLoRAModule):
             return self.trainer.strategy.reduce(values.to(device), reduce_op="sum").cpu()
 
         trainer, start = self.trainer, time.perf_counter()
-        computed = data.cache_reference(reference, trainer.world_size, trainer.global_rank, all_reduce_sum)
+        computed = data.cache_reference(
+            reference, self.reference_key, splits, trainer.world_size, trainer.global_rank, all_reduce_sum
+        )
         if computed:
             rank_zero_info(
                 f"lit-instruct: reference log-probabilities of {computed} pairs computed once, in "
@@ -242,7 +244,7 @@ class PreferenceLoRAModule(InstructLoRAModule):
         """The batch's summed loss over its counted pairs, the per-pair metrics' sums (in
         :attr:`PairWindow.names`' order), the counted pairs and their answers' tokens."""
         reference = None
-        cached = batch.get("reference_logps")
+        cached = batch.get("reference_logps") if self.preference.precompute_reference else None
         if self.preference_loss.needs_reference and cached is None:
             with torch.no_grad(), self.reference_model():
                 reference = self.pair_logps(batch)
