@@ -1,8 +1,9 @@
 """Build ``examples/data/preference_sample.jsonl``: preference pairs from the chatterbot corpus.
 
 Each pair is a corpus conversation's first exchange: its question the prompt, its own answer the
-chosen one, and the answer of a conversation of another category the rejected one (off topic).
-Deterministic: the same corpus gives the same file.
+chosen one, and the answer of a conversation of another category the rejected one (off topic). The
+rejected answers come from conversations whose answers no pair chooses, so that held-out pairs do
+not reject what training pairs teach. Deterministic: the same corpus gives the same file.
 
     python examples/build_preference_sample.py [--pairs 40] [--out examples/data/preference_sample.jsonl]
 """
@@ -35,12 +36,12 @@ def pairs(count: int) -> list[dict[str, str]]:
     """``count`` explicit-prompt pairs, the categories taken in turn; the rejected answer is the
     next category's answer at the same place."""
     per_category = -(-count // len(CATEGORIES))
-    exchanges = first_exchanges(per_category)
+    exchanges = first_exchanges(2 * per_category)  # the first half chosen, the second half rejected
     rows = []
     for index in range(per_category):
         for k, category in enumerate(CATEGORIES):
-            other = exchanges[CATEGORIES[(k + 1) % len(CATEGORIES)]]
-            if index < len(exchanges[category]) and other:
+            other = exchanges[CATEGORIES[(k + 1) % len(CATEGORIES)]][per_category:]
+            if index < min(per_category, len(exchanges[category])) and other:
                 question, answer = exchanges[category][index]
                 rows.append({"prompt": question, "chosen": answer, "rejected": other[index % len(other)][1]})
     return rows[:count]
