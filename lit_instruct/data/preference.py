@@ -47,9 +47,9 @@ from lit_instruct.data.records import (
     TURN_LAYOUTS,
     DataError,
     Record,
-    _is_empty,
-    _unused_turn_fields,
+    is_empty,
     to_record,
+    unused_turn_fields,
 )
 from lit_instruct.data.render import ChatRenderer, Sample
 from lit_instruct.labels import IGNORE_INDEX
@@ -111,7 +111,7 @@ def _record(parts: list[Part], tools: Any, source: str) -> Record:
     ``prompt`` for a string) rather than the concatenation's (``messages[2].content``)."""
     where = [(part, k) for part in parts for k in range(len(part.turns))]
     raw: dict[str, Any] = {"messages": [m for part in parts for m in part.turns]}
-    if not _is_empty(tools):
+    if not is_empty(tools):
         raw["tools"] = tools
     try:
         return to_record(raw, source, "chat")
@@ -130,7 +130,7 @@ def _plain(message: Any) -> Any:
     if not isinstance(message, dict):
         return message
     reads = TURN_LAYOUTS["chat"].reads
-    return {key: value for key, value in message.items() if key in reads and not _is_empty(value)}
+    return {key: value for key, value in message.items() if key in reads and not is_empty(value)}
 
 
 def _same(a: list[Any], b: list[Any]) -> bool:
@@ -203,7 +203,7 @@ def _check_prompt(prompt: Part, shared: Part, source: str) -> None:
 def _system(raw: dict[str, Any], prompt: Part, source: str) -> list[Part]:
     """The record's ``system`` field as a first part (none when empty)."""
     system = raw.get("system")
-    if _is_empty(system):
+    if is_empty(system):
         return []
     if not isinstance(system, str):
         raise DataError(source, f"field 'system' must be a string, got {type(system).__name__}", "bad_type")
@@ -220,7 +220,7 @@ def _system(raw: dict[str, Any], prompt: Part, source: str) -> list[Part]:
 def _score(raw: dict[str, Any], field: str, source: str) -> float | None:
     """A score as a finite number (numeric text too: csv cells are text); None when absent."""
     value = raw.get(field)
-    if _is_empty(value):
+    if is_empty(value):
         return None
     number: float | None = None
     if isinstance(value, int | float) and not isinstance(value, bool):
@@ -261,7 +261,7 @@ def _scores_tied(raw: dict[str, Any], source: str) -> bool:
 def _check_messages(raw: dict[str, Any], prompt: Part, chosen: Part, source: str) -> None:
     """UltraFeedback's ``messages`` must be the chosen conversation (it repeats it)."""
     messages = raw.get("messages")
-    if _is_empty(messages):
+    if is_empty(messages):
         return
     conversation = prompt.turns + chosen.turns
     if not isinstance(messages, list) or not _same(messages, conversation):
@@ -279,7 +279,7 @@ def _unused(raw: dict[str, Any], parts: list[Part], source: str) -> tuple[str, .
     (``chosen[].lang``); a refused one raises."""
     unused = set()
     for name, value in raw.items():
-        if name in FIELDS or _is_empty(value):
+        if name in FIELDS or is_empty(value):
             continue
         if name in REFUSED:
             raise DataError(source, f"field '{name}' holds {REFUSED[name]}: refused", "unsupported_field")
@@ -288,7 +288,7 @@ def _unused(raw: dict[str, Any], parts: list[Part], source: str) -> tuple[str, .
     for part in parts:
         for k, turn in enumerate(part.turns):
             if isinstance(turn, dict) and not part.whole:
-                names = _unused_turn_fields(turn, layout, part.where(k), source)
+                names = unused_turn_fields(turn, layout, part.where(k), source)
                 unused.update(f"{part.field}[].{name}" for name in names)
     return tuple(sorted(unused))
 

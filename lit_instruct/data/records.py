@@ -295,7 +295,7 @@ def _optional_string(turn: dict[str, Any], key: str, where: str, source: str) ->
 
 def _reasoning_key(turn: dict[str, Any], where: str, source: str) -> str | None:
     """The first of :data:`REASONING_KEYS` a turn sets; two that hold different reasoning are refused."""
-    keys = [key for key in REASONING_KEYS if not _is_empty(turn.get(key))]
+    keys = [key for key in REASONING_KEYS if not is_empty(turn.get(key))]
     for other in keys[1:]:
         if turn[other] != turn[keys[0]]:
             raise DataError(
@@ -402,7 +402,7 @@ def _conversational_prompt_completion(raw: dict[str, Any], source: str) -> tuple
     return context + completion
 
 
-def _is_empty(value: Any) -> bool:
+def is_empty(value: Any) -> bool:
     """A table's empty column, an export's ``refusal: null``: nothing would be lost."""
     return value is None or value == [] or value == {} or value == ""
 
@@ -420,12 +420,12 @@ def _twin_agrees(turn: dict[str, Any], name: str, twin: str) -> bool:
     return bool(ours == theirs)
 
 
-def _unused_turn_fields(turn: dict[str, Any], layout: TurnLayout, where: str, source: str) -> list[str]:
+def unused_turn_fields(turn: dict[str, Any], layout: TurnLayout, where: str, source: str) -> list[str]:
     """The non-empty fields of one turn that ``layout`` does not read; one it refuses, or a twin that
     disagrees with the turn, is an error naming ``where`` (``conversations[2]``)."""
     unused = []
     for name, value in turn.items():
-        if name in layout.reads or _is_empty(value):
+        if name in layout.reads or is_empty(value):
             continue
         if name in layout.refused:
             raise _refuse_field(f"{where}.{name}", layout.refused[name], source)
@@ -458,7 +458,7 @@ def _unused_fields(raw: dict[str, Any], fmt: str, source: str) -> tuple[str, ...
     used = FORMATS[fmt].fields
     unused = []
     for name, value in raw.items():
-        if name in used or _is_empty(value):
+        if name in used or is_empty(value):
             continue
         if name in REFUSED_FIELDS:
             raise _refuse_field(name, REFUSED_FIELDS[name], source)
@@ -467,7 +467,7 @@ def _unused_fields(raw: dict[str, Any], fmt: str, source: str) -> tuple[str, ...
         for i, turn in enumerate(turns if isinstance(turns, list) else []):
             if isinstance(turn, dict):
                 unused += [
-                    f"{key}[].{name}" for name in _unused_turn_fields(turn, layout, f"{key}[{i}]", source)
+                    f"{key}[].{name}" for name in unused_turn_fields(turn, layout, f"{key}[{i}]", source)
                 ]
     return tuple(sorted(set(unused)))
 
