@@ -10,7 +10,9 @@ The reference (DPO, IPO) is the policy's own weights with the adapter switched o
 ``disable_adapter``: the fused LoRA layers then run peft's path, which skips the adapter), or, when
 training continues from an SFT adapter (``adapter``), that adapter's weights as loaded, put in place
 of the trained ones for the reference pass: no second copy of the base. The reference pass runs in
-eval mode (no dropout: the frozen model), without gradients.
+eval mode (no dropout: the frozen model), without gradients. With ``precompute_reference`` it runs
+once per pair before training (:mod:`lit_instruct.data.reference_cache`), and steps read its values
+from the batches.
 
 Each micro-batch returns its pairs' *summed* loss; at the optimizer step the gradient is divided by
 the pairs of the whole window on all ranks (as :mod:`lit_instruct.train.window` does by tokens), so
