@@ -73,7 +73,8 @@ def test_speed_and_memory_options_give_the_same_gradients(
         if enabled and "checkpoint_layers" in options:  # the first layer recomputes, the second keeps
             layers = module.base_model.get_decoder().layers
             assert [layer.gradient_checkpointing for layer in layers] == [True, False]
-        trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, datamodule=data)
+        steps = 1 if "compile_layers" in options else 2  # compiling each new shape dominates: one
+        trainer(tmp_path, max_steps=steps, limit_val_batches=0).fit(module, datamodule=data)
         grads[enabled] = module.captured
     for name, grad in grads[False].items():
         torch.testing.assert_close(grads[True][name], grad, atol=1e-5, rtol=1e-4)
