@@ -323,7 +323,7 @@ def to_preference_record(raw: Any, source: str) -> PreferenceRecord:
         turn = side.turns[0]
         if len(side.turns) != 1 or not isinstance(turn, dict) or turn.get("role") != "assistant":
             raise DataError(source, f"field '{side.field}' must be one assistant turn", "bad_pair")
-    if chosen.turns == rejected.turns:
+    if _same(chosen.turns, rejected.turns):
         raise DataError(
             source,
             "fields 'chosen' and 'rejected' hold the same answer: the pair teaches nothing (its DPO loss "
@@ -348,7 +348,7 @@ class PreferencePair:
     """Tokenized chosen and rejected samples: the same ``prompt_length`` first tokens, labels only on
     each answer; ``truncated`` when the pair was cut to fit; ``reference``: the reference model's
     summed log-probabilities of the chosen and rejected answer, once computed
-    (:mod:`lit_instruct.train.reference_cache`)."""
+    (:mod:`lit_instruct.data.reference_cache`)."""
 
     chosen: Sample
     rejected: Sample

@@ -13,7 +13,6 @@ labelled tokens), ``tied_scores``, ``unused_field_<name>``, duplicates, drops an
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,6 +32,7 @@ from lit_instruct.data.preference import (
     PreferenceRenderer,
     to_preference_record,
 )
+from lit_instruct.data.prepare import hold_out
 from lit_instruct.data.records import DataError, map_columns
 from lit_instruct.data.reference_cache import ReferenceFn, compute_reference
 from lit_instruct.data.sources import CHATTERBOT, DataSource, iter_source
@@ -164,12 +164,11 @@ def hold_out_prompts(
     records: list[PreferenceRecord], fraction: float, seed: int
 ) -> tuple[list[PreferenceRecord], list[PreferenceRecord]]:
     """A seeded ``fraction`` of the prompts held out with all their pairs, both parts in reading
-    order (with one pair per prompt, :func:`~lit_instruct.data.prepare.hold_out`'s very split)."""
+    order: :func:`~lit_instruct.data.prepare.hold_out`'s split of the prompts (with one pair per
+    prompt, its very split of the records)."""
     groups: dict[Any, int] = {}
     group_of = [groups.setdefault(record.prompt_key, len(groups)) for record in records]
-    order = list(range(len(groups)))
-    random.Random(seed).shuffle(order)
-    held_out = set(order[: round(len(groups) * fraction)])
+    held_out = set(hold_out(list(range(len(groups))), fraction, seed)[1])
     return (
         [r for r, g in zip(records, group_of, strict=True) if g not in held_out],
         [r for r, g in zip(records, group_of, strict=True) if g in held_out],

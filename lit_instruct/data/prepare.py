@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from lit_instruct.data.records import Record
 from lit_instruct.data.render import ChatRenderer, MultiTurn, TrainOn
@@ -102,7 +102,10 @@ def drop_duplicates(records: list[Record], seen: set[Any], counts: Counter[str])
     return unique
 
 
-def hold_out(records: list[Record], fraction: float, seed: int) -> tuple[list[Record], list[Record]]:
+Item = TypeVar("Item")
+
+
+def hold_out(records: list[Item], fraction: float, seed: int) -> tuple[list[Item], list[Item]]:
     """A seeded ``fraction`` of ``records`` held out, both parts in reading order."""
     order = list(range(len(records)))
     random.Random(seed).shuffle(order)

@@ -252,7 +252,7 @@ class PreferenceLoRAModule(InstructLoRAModule):
                 reference = self.pair_logps(batch)
         hidden, aux = self.trunk(batch)
         policy = self.pair_logps(batch, hidden)
-        if self.preference_loss.needs_reference and cached is not None:
+        if cached is not None:  # precompute_reference: only for losses with a reference
             sums = cached.to(policy.chosen.device, torch.float32)
             reference = PairLogps.from_batch(sums, torch.cat([policy.chosen_tokens, policy.rejected_tokens]))
         num_pairs = len(policy.chosen)
