@@ -218,3 +218,57 @@ def test_ultrafeedback_fields_are_checked_with_file_line_and_field(change, messa
     with pytest.raises(DataError, match=message) as caught:
         PreferenceRenderer(tokenizer, 64)(to_preference_record({**ULTRA, **change}, "uf.parquet:row 4"))
     assert str(caught.value).startswith("uf.parquet:row 4: ")
+
+
+def _call(arguments: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "search", "arguments": arguments}}],
+    }
+
+
+SEARCH_TOOL = {"type": "function", "function": {"name": "search", "description": "Search the web"}}
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (
+            {
+                "prompt": [USER],
+                "chosen": [_call({"query": "x<|im_end|>"})],
+                "rejected": [_call({"query": "y"})],
+            },
+            r"chosen\[0\]\.tool_calls\[0\]\.arguments\.query",
+        ),
+        (
+            {
+                "prompt": "Search",
+                "chosen": [_call({"query": "x"})],
+                "rejected": [_call({"query": {"deep": ["<|im_start|>"]}})],
+            },
+            r"rejected\[0\]\.tool_calls\[0\]\.arguments\.query\.deep\[0\]",
+        ),
+        (
+            {
+                "prompt": [USER],
+                "chosen": "A",
+                "rejected": "B",
+                "tools": [{**SEARCH_TOOL, "function": {"name": "search", "description": "<|im_end|>"}}],
+            },
+            r"tools\[0\]\.function\.description",
+        ),
+        ({"system": "Be <|im_end|> brief.", "prompt": "Hi", "chosen": "A", "rejected": "B"}, r"system"),
+        ({"prompt": "Hi <|im_start|>", "chosen": "A", "rejected": "B"}, r"prompt"),
+    ],
+)
+def test_item4_special_token_in_preference_tool_call_refused(raw, field, tokenizer):
+    """Preference pairs go through the SFT renderer's check: a special token's text in a tool call's
+    arguments or the tools offered is refused, named by the pair's own field."""
+    renderer = PreferenceRenderer(tokenizer, 512, chat_template="chatml-tools")
+    with pytest.raises(
+        DataError, match=rf"^pairs\.jsonl:7: {field} contains the special token '<\|im_"
+    ) as caught:
+        renderer(to_preference_record(raw, "pairs.jsonl:7"))
+    assert caught.value.reason == "special_token_in_content"

@@ -62,16 +62,23 @@ REFUSED = {name: why for name, why in REFUSED_FIELDS.items() if name not in ("ch
 """Record fields that refuse the pair: what they hold would be lost."""
 
 
+TurnName = tuple[str, bool]
+"""A turn as the user's field names it (``chosen[1]``, ``prompt``), and whether that field was a
+string (one turn, whose text is the field itself)."""
+
+
 @dataclass(frozen=True)
 class PreferenceRecord:
     """The chosen and rejected conversations of one preference pair (same context, last answer differs);
-    ``unused``: the fields counted unused; ``tied``: its scores are equal."""
+    ``unused``: the fields counted unused; ``tied``: its scores are equal; ``turns``: each side's
+    turns as the user's fields name them (for errors)."""
 
     chosen: Record
     rejected: Record
     source: str
     unused: tuple[str, ...] = ()
     tied: bool = False
+    turns: tuple[tuple[TurnName, ...], tuple[TurnName, ...]] = ((), ())
 
     @property
     def prompt_key(self) -> tuple[Any, ...]:
@@ -106,22 +113,35 @@ def _messages(value: Any, field: str, role: str, source: str) -> Part:
 _INDEX = re.compile(r"messages\[(\d+)\](\.content)?")
 
 
+def _turn_names(parts: list[Part]) -> tuple[TurnName, ...]:
+    """The user's name of each turn of the concatenated parts."""
+    return tuple((part.where(k), part.whole) for part in parts for k in range(len(part.turns)))
+
+
+def user_fields(message: str, turns: Sequence[TurnName]) -> str:
+    """``message`` with the concatenation's turn names (``messages[2].content``) as the user's
+    (``chosen[1].content``, ``prompt`` for a string)."""
+
+    def rename(match: re.Match[str]) -> str:
+        index = int(match.group(1))
+        if index >= len(turns):
+            return match.group(0)
+        name, whole = turns[index]
+        return name + ("" if whole else match.group(2) or "")
+
+    return _INDEX.sub(rename, message)
+
+
 def _record(parts: list[Part], tools: Any, source: str) -> Record:
     """The chat record of the concatenated parts; errors name the user's field (``chosen[1].content``,
     ``prompt`` for a string) rather than the concatenation's (``messages[2].content``)."""
-    where = [(part, k) for part in parts for k in range(len(part.turns))]
     raw: dict[str, Any] = {"messages": [m for part in parts for m in part.turns]}
     if not is_empty(tools):
         raw["tools"] = tools
     try:
         return to_record(raw, source, "chat")
     except DataError as error:
-
-        def rename(match: re.Match[str]) -> str:
-            part, k = where[int(match.group(1))]
-            return part.where(k) + ("" if part.whole else match.group(2) or "")
-
-        raise DataError(source, _INDEX.sub(rename, error.message), error.reason) from error
+        raise DataError(source, user_fields(error.message, _turn_names(parts)), error.reason) from error
 
 
 def _plain(message: Any) -> Any:
@@ -340,6 +360,7 @@ def to_preference_record(raw: Any, source: str) -> PreferenceRecord:
         source,
         unused,
         tied,
+        (_turn_names([*context, chosen]), _turn_names([*context, rejected])),
     )
 
 
@@ -382,9 +403,13 @@ class PreferenceRenderer:
         self.renderer = ChatRenderer(tokenizer, 2**62, chat_template, multi_turn="last")
         self.max_seq_len = max_seq_len
 
-    def _render(self, record: Record) -> Sample:
-        samples, _ = self.renderer.samples(record)
-        return samples[-1]  # the last answer's (the only one trained)
+    def _render(self, record: Record, turns: Sequence[TurnName]) -> Sample:
+        """The last answer's sample (the only one trained); errors name the user's fields (``turns``)."""
+        try:
+            samples, _ = self.renderer.samples(record)
+        except DataError as error:
+            raise DataError(record.source, user_fields(error.message, turns), error.reason) from error
+        return samples[-1]
 
     def __call__(self, record: PreferenceRecord) -> PreferencePair:
         """The pair, checked to share the prompt's tokens.
@@ -394,7 +419,8 @@ class PreferenceRenderer:
                 their answers (a template that renders the prompt differently per answer, or a merge
                 of the prompt's last token with the answer's first).
         """
-        chosen, rejected = self._render(record.chosen), self._render(record.rejected)
+        chosen = self._render(record.chosen, record.turns[0])
+        rejected = self._render(record.rejected, record.turns[1])
         prompt = _prompt_length(chosen, "chosen", record.source)
         if _prompt_length(rejected, "rejected", record.source) != prompt or (
             chosen.input_ids[:prompt] != rejected.input_ids[:prompt]

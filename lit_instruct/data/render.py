@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -170,6 +171,52 @@ class Probes:
                     _refuse_dropped(record, probe.field, probe.value, probe.kind, where)
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z_][\w-]*")
+
+
+def _key_path(path: str, key: str) -> str:
+    """``path.key``, or ``path["key"]`` for a key that is not a plain name."""
+    return f"{path}.{key}" if _PLAIN_KEY.fullmatch(key) else f"{path}[{json.dumps(key, ensure_ascii=False)}]"
+
+
+def json_texts(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """Every string inside a JSON value, object keys included, with its path, in document order (no
+    recursion: any depth)."""
+    stack: list[tuple[str, Any]] = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            yield where, item
+        elif isinstance(item, dict):
+            for key in item:
+                yield _key_path(where, key), key
+            stack.extend(reversed([(_key_path(where, key), v) for key, v in item.items()]))
+        elif isinstance(item, list):
+            stack.extend(reversed([(f"{where}[{j}]", v) for j, v in enumerate(item)]))
+
+
+def template_texts(record: Record) -> Iterator[tuple[str, str]]:
+    """Every text of a chat record that reaches the template, with its field path: each turn's
+    content, reasoning, name and tool call id, its tool calls' ids, names and arguments (names and
+    values at any depth), and every string of the tools offered."""
+    for i, message in enumerate(record.messages):
+        where = f"messages[{i}]"
+        yield f"{where}.content", message.content
+        optional = (
+            ("reasoning", message.reasoning),
+            ("name", message.name),
+            ("tool_call_id", message.tool_call_id),
+        )
+        yield from ((f"{where}.{field}", text) for field, text in optional if text is not None)
+        for k, call in enumerate(json.loads(message.tool_calls) if message.tool_calls else []):
+            if "id" in call:
+                yield f"{where}.tool_calls[{k}].id", call["id"]
+            yield f"{where}.tool_calls[{k}].name", call["function"]["name"]
+            yield from json_texts(call["function"]["arguments"], f"{where}.tool_calls[{k}].arguments")
+    if record.tools:
+        yield from json_texts(json.loads(record.tools), "tools")
+
+
 class ChatRenderer:
     """Render records with a tokenizer's chat template and label the assistant turns.
 
@@ -230,18 +277,24 @@ class ChatRenderer:
             ) from error
 
     def _check_content(self, record: Record) -> None:
+        """Refuse a record any of whose texts that reach the template holds a special token's text:
+        tokenized, it would be the token itself (a turn closed or opened inside the text).
+
+        Raises:
+            DataError: (``special_token_in_content``) naming the field (``messages[2].tool_calls[0]
+                .arguments.query``, ``tools[0].function.description``) and the token.
+        """
         if self._special_text is None:
             return
-        for i, message in enumerate(record.messages):
-            for field, text in (("content", message.content), ("reasoning", message.reasoning or "")):
-                found = self._special_text.search(text)
-                if found:
-                    raise DataError(
-                        record.source,
-                        f"messages[{i}].{field} contains the special token {found.group()!r}, which "
-                        "would break the template's turn structure",
-                        reason="special_token_in_content",
-                    )
+        for field, text in template_texts(record):
+            found = self._special_text.search(text)
+            if found:
+                raise DataError(
+                    record.source,
+                    f"{field} contains the special token {found.group()!r}, which would break the "
+                    "template's turn structure",
+                    reason="special_token_in_content",
+                )
 
     def answer_turns(self, record: Record) -> list[AnswerTurn]:
         """Each assistant turn rendered against its own prefix, with the span it must produce."""
