@@ -30,6 +30,7 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
 from lit_instruct.preflight import check_config
+from lit_instruct.preflight.resume import resolve_last
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.module import InstructLoRAModule
@@ -79,10 +80,6 @@ class ConfigToLoggers(SaveConfigCallback):
         config = yaml_plain(self.config.as_dict())
         for logger in trainer.loggers:
             logger.log_hyperparams({"config": config})
-
-
-LAUNCH_SETTINGS = ("low_memory_load",)
-"""Module settings that describe a launch (how its ranks load the base), not the model trained."""
 
 
 class OneLineErrorParser(LightningArgumentParser):
@@ -179,6 +176,9 @@ class InstructCLI(LightningCLI):
         before any weight is read (:func:`~lit_instruct.preflight.check_config`)."""
         self.resolve_auto()
         self.follow_root_dir()
+        config = self.parsed()
+        if config.get("ckpt_path") == "last":
+            config["ckpt_path"] = resolve_last(config.as_dict())
         self.model_plan = check_config(self.subcommand_config())
 
     def resolve_auto(self) -> None:
@@ -221,17 +221,10 @@ class InstructCLI(LightningCLI):
                     init[key] = str(Path(root) / Path(value).relative_to(file_root))
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning brings a checkpoint's hyperparameters back over the config; those that say how
-        this launch's ranks load the model (:data:`LAUNCH_SETTINGS`) stay as this launch sets them,
-        so that a run written by 2 FSDP processes resumes on 1 (or 4)."""
-        if not self.config.get("subcommand"):
-            return
-        model = self.config[self.config.subcommand]["model"]
-        launch = {name: model.get(name) for name in LAUNCH_SETTINGS}
-        super()._parse_ckpt_path()
-        model = self.config[self.config.subcommand]["model"]
-        for name, value in launch.items():
-            model[name] = value
+        """Nothing of a checkpoint's hyper-parameters comes over the config (Lightning's would bring
+        ``trust_remote_code``, ``model`` and ``adapter_dir`` back from a file): the resume takes the
+        user's settings, and :func:`~lit_instruct.preflight.check_config` refuses a checkpoint whose
+        structure differs from them (:mod:`lit_instruct.preflight.resume`)."""
 
     def subcommand_config(self) -> dict[str, Any]:
         """The parsed config of the subcommand being run, as plain data."""

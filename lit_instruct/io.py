@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,3 +92,17 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     for name, tensor in tensors.items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf; refusing to write it")
+
+
+def check_archive(file: Path) -> None:
+    """Raise ``ValueError`` naming ``file`` when one of its zip records fails its CRC (``torch.load``
+    does not check them)."""
+    if not zipfile.is_zipfile(file):
+        return  # torch's legacy format: nothing to check, torch.load reads it
+    with zipfile.ZipFile(file) as archive:
+        try:
+            bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as failure:
+            raise ValueError(f"{file} is damaged: {failure}") from None
+    if bad is not None:
+        raise ValueError(f"{file} is damaged: its record {bad!r} fails its CRC check")

@@ -79,37 +79,6 @@ def test_validation_on_two_processes_equals_one(
             torch.testing.assert_close(metrics[key], value, rtol=1e-5, atol=0, msg=key)
 
 
-class ParsedOnly(Exception):
-    """Raised with the parsed config instead of building anything."""
-
-
-def test_a_checkpoint_of_a_low_memory_run_resumes_in_another_launch(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """A checkpoint written by a 2-process ``low_memory_load`` FSDP run brings its hyperparameters
-    back (the LoRA rank here), but how this launch's ranks load the base stays this launch's."""
-    from lit_instruct.cli import InstructCLI
-    from lit_instruct.models.lora import LoRAConfig
-    from lit_instruct.train.module import InstructLoRAModule
-
-    written = InstructLoRAModule(
-        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), low_memory_load=True
-    )
-    checkpoint = tmp_path / "fsdp.ckpt"
-    torch.save({"hyper_parameters": dict(written.hparams)}, checkpoint)
-
-    class Parsed(InstructCLI):
-        def instantiate_classes(self) -> None:
-            raise ParsedOnly(self.config)
-
-    args = ["fit", "--model.model", str(tiny_model_dir), "--data.train_files", "[x.jsonl]"]
-    with pytest.raises(ParsedOnly) as parsed:
-        Parsed(args=[*args, "--ckpt_path", str(checkpoint)])
-    model = parsed.value.args[0]["fit"]["model"]
-    assert model["lora"]["r"] == 4  # from the checkpoint
-    assert model["low_memory_load"] is False  # this launch's (the default)
-
-
 def assert_trains_as_one_process(
     ranks: list[dict], model: Path, data_file: Path, global_batch: int, steps: int, out: Path
 ) -> None:

@@ -7,6 +7,7 @@ skeleton built on the meta device from its ``config.json``. ``fit`` and ``valida
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -22,6 +23,7 @@ from lit_instruct.models.lora import LoRAConfig, attach_lora, lora_config_of, wi
 from lit_instruct.models.packing import UNPACKABLE_MODEL_TYPES
 from lit_instruct.preflight.adapter_fit import adapter_on_skeleton, check_adapter_folder
 from lit_instruct.preflight.model_source import model_source
+from lit_instruct.preflight.resume import check_resume_structure
 from lit_instruct.rules import check_values, flatten, refuse_conflicts
 
 NOT_PROBED = "layers the model never calls: found when the weights load"
@@ -86,6 +88,7 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     if settings["model.quantization.method"] != "none":
         require_bitsandbytes()
     name = settings["model.model"]
+    check_resume(config.get("ckpt_path"), name, lora, settings)
     source = model_source(name)
     skeleton = _skeleton(source, settings)
     model_type = str(getattr(skeleton.config, "model_type", "?"))
@@ -127,6 +130,26 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
         intermediate=int(getattr(text, "intermediate_size", 0) or 0),
         quantized_linear=quantized,
     )
+
+
+SPECIAL_CHECKPOINTS = ("best", "hpc", "registry")
+"""``ckpt_path`` values Lightning resolves itself (``last`` is resolved when the config is read)."""
+
+
+def check_resume(ckpt_path: Any, name: str, lora: LoRAConfig, settings: Mapping[str, Any]) -> None:
+    """The checkpoint a fit resumes from: there, readable, and of the run's structure."""
+    if ckpt_path is None or str(ckpt_path) in SPECIAL_CHECKPOINTS or str(ckpt_path).startswith("registry:"):
+        return
+    if not os.path.exists(ckpt_path):
+        raise ConfigError("ckpt_path", f"{str(ckpt_path)!r} does not exist (a .ckpt file, or 'last')")
+    preference = settings.get("model.preference")
+    module = {
+        "model": name,
+        "lora": asdict(lora),
+        "quantization": {"method": settings["model.quantization.method"]},
+        "preference": preference,
+    }
+    check_resume_structure(module, ckpt_path)
 
 
 def refuse_four_bit_by_weight(method: str, lora: LoRAConfig, by_weight: list[str]) -> None:

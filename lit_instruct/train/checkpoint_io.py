@@ -10,15 +10,18 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lit_instruct.io import check_archive
+
 
 class SafeCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint IO with atomic saves and ``weights_only`` loads.
 
     A checkpoint is written to a temporary file next to its target, flushed to disk, and renamed
     over the target: a crash or Ctrl-C mid-write leaves the previous file (or none), never a
-    truncated one. Loading always uses ``torch.load(weights_only=True)``: tensors and plain data
-    only, so a crafted checkpoint cannot execute code (lit-instruct's own checkpoints hold nothing
-    else). ``lit-instruct fit`` uses it unless another checkpoint IO is configured; in Python:
+    truncated one. Loading checks the file's zip records against their CRCs (a bit flipped on disk
+    is refused, never trained on), then uses ``torch.load(weights_only=True)``: tensors and plain
+    data only, so a crafted checkpoint cannot execute code (lit-instruct's own checkpoints hold
+    nothing else). ``lit-instruct fit`` uses it unless another checkpoint IO is configured; in Python:
     ``Trainer(plugins=[SafeCheckpointIO()])``.
     """
 
@@ -45,4 +48,5 @@ class SafeCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         if weights_only is False:
             raise ValueError("SafeCheckpointIO loads checkpoints with weights_only=True only")
+        check_archive(Path(path))
         return super().load_checkpoint(path, map_location=map_location, weights_only=True)

@@ -1,0 +1,173 @@
+"""A resume takes the user's settings, never the checkpoint's (issue 49 items 1, 7 and 13's bit flip):
+a checkpoint fixes the run's structure, refused when the command line says otherwise, and can set no
+path, no model and no ``trust_remote_code``; ``--ckpt_path last`` finds a versioned run's checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_instruct.cli import InstructCLI, main
+from lit_instruct.models.lora import LoRAConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Checked(Exception):
+    """Raised with the parsed config once checked as ``fit`` checks it, instead of loading weights."""
+
+
+class CheckedOnly(InstructCLI):
+    def instantiate_classes(self) -> None:
+        self.checked_config()
+        raise Checked(self.parsed().as_dict())
+
+
+def fit_args(model: Path, chat_file: Path, *extra: str) -> list[str]:
+    return [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "lora.yaml"),
+        "--model.model",
+        str(model),
+        "--data.train_files",
+        f"[{chat_file}]",
+        *extra,
+    ]
+
+
+def checked(args: list[str]) -> dict:
+    with pytest.raises(Checked) as parsed:
+        CheckedOnly(args=args)
+    return parsed.value.args[0]
+
+
+@pytest.fixture
+def hparams(tiny_model_dir: Path) -> dict:
+    """The hyper-parameters lora.yaml's module has on the tiny model (no weights read)."""
+    config = checked(fit_args(tiny_model_dir, tiny_model_dir / "config.json"))["model"]
+    return {**config, "lora": asdict(LoRAConfig(**config["lora"])), "quantization": {"method": "none"}}
+
+
+def code_folder(tmp_path: Path, tiny_model_dir: Path) -> tuple[Path, Path]:
+    """A model folder whose ``config.json`` points at its own Python, which leaves a file when run."""
+    folder = tmp_path / "hostile-model"
+    folder.mkdir()
+    ran = tmp_path / "code-ran"
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "hostile.HostileConfig", "AutoModelForCausalLM": "hostile.Hostile"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "hostile.py").write_text(f"open({str(ran)!r}, 'w').write('ran')\n")
+    for name in os.listdir(tiny_model_dir):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            (folder / name).write_bytes((tiny_model_dir / name).read_bytes())
+    return folder, ran
+
+
+def test_item1_a_checkpoint_cannot_set_the_model_or_trust_remote_code(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path, capsys
+) -> None:
+    hostile, ran = code_folder(tmp_path, tiny_model_dir)
+    checkpoint = tmp_path / "hostile.ckpt"
+    torch.save(
+        {"hyper_parameters": {**hparams, "model": str(hostile), "trust_remote_code": True}}, checkpoint
+    )
+    args = fit_args(
+        tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint), "--model.trust_remote_code", "false"
+    )
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lit-instruct: config error: model.model: {str(tiny_model_dir)!r} differs from ")
+    assert f"trained with {str(hostile)!r}" in err and len(err.splitlines()) == 1
+    assert not ran.exists()
+
+
+def test_item1_a_checkpoint_cannot_set_paths_or_code_execution(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "thesis.tex").write_text("years of work")
+    checkpoint = tmp_path / "hostile.ckpt"
+    hostile = {"trust_remote_code": True, "adapter_dir": str(victim), "learning_rate": 9.0}
+    torch.save({"hyper_parameters": {**hparams, **hostile}}, checkpoint)
+    model = checked(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))["model"]
+    assert (model["trust_remote_code"], model["adapter_dir"], model["learning_rate"]) == (False, None, 3e-4)
+    assert model["model"] == str(tiny_model_dir)
+
+
+def test_item1_a_checkpoint_of_another_structure_is_refused_naming_both_values(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path, capsys
+) -> None:
+    checkpoint = tmp_path / "rank4.ckpt"
+    torch.save({"hyper_parameters": {**hparams, "lora": {**hparams["lora"], "r": 4}}}, checkpoint)
+    with pytest.raises(SystemExit) as stop:
+        main(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"lit-instruct: config error: model.lora.r: 16 differs from the checkpoint {str(checkpoint)!r}"
+    )
+    assert "trained with 4" in err
+    same = checked(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint), "--model.lora.r", "4"))
+    assert same["model"]["lora"]["r"] == 4
+
+
+def test_item1_a_resume_keeps_this_launchs_low_memory_load(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path
+) -> None:
+    """A checkpoint written by a 2-process ``low_memory_load`` FSDP run resumes in a launch of 1."""
+    checkpoint = tmp_path / "fsdp.ckpt"
+    torch.save({"hyper_parameters": {**hparams, "low_memory_load": True}}, checkpoint)
+    model = checked(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))["model"]
+    assert model["low_memory_load"] is False
+
+
+def test_item7_ckpt_path_last_finds_the_checkpoint_of_an_earlier_version_folder(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path, caplog
+) -> None:
+    root = tmp_path / "runs"
+    older, newer = root / "version_0" / "checkpoints", root / "version_1" / "checkpoints"
+    for folder in (older, newer):
+        folder.mkdir(parents=True)
+    torch.save({"hyper_parameters": hparams}, older / "epoch=0-step=2.ckpt")
+    torch.save({"hyper_parameters": hparams}, newer / "epoch=0-step=4.ckpt")
+    os.utime(older / "epoch=0-step=2.ckpt", (1, 1))
+    args = fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(root), "--ckpt_path", "last")
+    assert checked(args)["ckpt_path"] == str(newer / "epoch=0-step=4.ckpt")
+    fresh = fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(tmp_path / "new"))
+    with caplog.at_level("INFO"):
+        assert checked([*fresh, "--ckpt_path", "last"])["ckpt_path"] is None
+    assert "no checkpoint under" in caplog.text and "starting at step 0" in caplog.text
+
+
+def test_item13_a_bit_flipped_checkpoint_is_refused(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path, capsys
+) -> None:
+    checkpoint = tmp_path / "flipped.ckpt"
+    torch.save({"hyper_parameters": hparams, "state_dict": {"w": torch.randn(4096)}}, checkpoint)
+    data = bytearray(checkpoint.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the tensor's record: torch.load reads it without a word
+    checkpoint.write_bytes(data)
+    assert torch.load(checkpoint, weights_only=True)["hyper_parameters"]["model"]
+    with pytest.raises(SystemExit) as stop:
+        main(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "lit-instruct: config error: ckpt_path:" in err and "fails its CRC check" in err
+
+
+def test_a_missing_checkpoint_is_one_line(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, capsys
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(tmp_path / "nope.ckpt")))
+    assert stop.value.code == 2
+    assert "ckpt_path: " in capsys.readouterr().err
