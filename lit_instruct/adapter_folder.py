@@ -94,17 +94,19 @@ def save_adapter(
     tokenizer: Any = None,
     convert: Callable[[Path], None] | None = None,
     base: str | None = None,
+    setting: str = "model.adapter_dir",
 ) -> Path:
     """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
     ``state_dict`` when given (whole tensors gathered from a sharded model), the ``chat_template``
     it was trained with (``chat_template.jinja``), which generation and export then use by default,
     and a ``tokenizer`` grown by new tokens. ``convert`` rewrites the saved adapter in its folder
     before it appears (a residual init's to plain LoRA); ``base``, the model name the user gave, is
-    recorded as its portable name."""
+    recorded as its portable name. ``setting`` names the folder in the error when it holds files
+    lit-instruct did not write (:func:`~lit_instruct.io.check_replaceable`): it is never replaced."""
     from peft import get_peft_model_state_dict
 
     check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
-    with atomic_directory(target) as staging:
+    with atomic_directory(target, setting=setting) as staging:
         # a grown vocabulary's rows are the adapter's own tensors: the loaders grow the base's rows, so
         # peft need not add copies of the whole embedding and head
         peft_model.save_pretrained(
@@ -129,7 +131,7 @@ def copy_adapter(adapter: str | Path, out: str | Path) -> Path:
     config = read_config(adapter)
     config["base_model_name_or_path"] = portable_name(config["base_model_name_or_path"])
     template = adapter_chat_template(adapter)
-    with atomic_directory(out) as staging:
+    with atomic_directory(out, setting="--out") as staging:
         write_weights(staging, weights)
         write_config(staging, config)
         if has_tokenizer(adapter):

@@ -27,6 +27,7 @@ from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError
+from lit_instruct.io import check_replaceable
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
 from lit_instruct.preflight import check_config
@@ -483,6 +484,7 @@ def export_main(argv: list[str]) -> None:
         return
     if args.ollama:
         parser.error("--ollama needs --gguf")
+    check_replaceable(args.out, "--out")  # before the base loads
     out = (
         merge_adapter(args.adapter, args.out, args.base)
         if args.merge

@@ -3,8 +3,11 @@ whole, or not at all, with the modes the umask allows; tensors checked finite be
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
+import socket
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -14,18 +17,61 @@ from typing import Any
 
 import torch
 
+from lit_instruct.errors import ConfigError
+
+OUTPUT_MARKER = ".lit-instruct"
+"""The file in every folder lit-instruct writes whole (adapters, exports): a folder without it is the
+user's, and is never replaced."""
+
+
+def check_replaceable(target: str | Path, setting: str) -> None:
+    """Refuse ``target`` as a folder to write whole when it holds anything lit-instruct did not write
+    there: a non-empty folder without :data:`OUTPUT_MARKER` (its files would be deleted), or a file.
+
+    Raises:
+        ConfigError: naming ``setting``, the folder and what would be right.
+    """
+    target = Path(target)
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ConfigError(setting, f"{str(target)!r} is a file; name a folder to write into")
+    if (target / OUTPUT_MARKER).is_file():
+        return
+    entries = sorted(entry.name for entry in target.iterdir())
+    if entries:
+        raise ConfigError(
+            setting,
+            f"{str(target)!r} holds {len(entries)} entries lit-instruct did not write "
+            f"({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}), which writing the folder "
+            "whole would delete; name a new or empty folder",
+        )
+
 
 @contextmanager
-def atomic_directory(target: str | Path, replace: bool = True) -> Iterator[Path]:
+def atomic_directory(target: str | Path, replace: bool = True, setting: str | None = None) -> Iterator[Path]:
     """Yield an empty staging folder; on success it replaces ``target``, on failure it is removed.
+
+    ``setting`` (the setting that named ``target``): a folder the user named, marked as ours
+    (:data:`OUTPUT_MARKER`) and never replacing a folder that is not (:func:`check_replaceable`).
     ``replace=False`` (a content-addressed cache, filled by several processes or nodes at once):
-    a ``target`` that another process put in place first is kept, and the staging folder dropped."""
+    a ``target`` that another process put in place first is kept, and the staging folder dropped.
+    Leftovers of writes killed midway (staging folders of dead processes, a retired ``-old``
+    folder) are removed first; files and folders reach the disk (fsync) before the rename."""
     target = Path(target)
+    if setting is not None:
+        check_replaceable(target, setting)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    remove_leftovers(target)
+    staging = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(target)}{os.getpid()}-", dir=target.parent))
     try:
         yield staging
+        if setting is not None:
+            (staging / OUTPUT_MARKER).write_text(
+                json.dumps({"written_by": "lit-instruct", "what": setting}) + "\n", encoding="utf-8"
+            )
         _as_umask_allows(staging)
+        _sync_tree(staging)
         if not replace:
             try:
                 staging.rename(target)
@@ -33,18 +79,82 @@ def atomic_directory(target: str | Path, replace: bool = True) -> Iterator[Path]
                 if not target.is_dir():
                     raise
                 shutil.rmtree(staging, ignore_errors=True)
+            sync_folder(target.parent)
             return
         if target.exists():
-            retired = target.with_name(f".{target.name}-old")
+            retired = _retired(target)
             shutil.rmtree(retired, ignore_errors=True)
             target.rename(retired)
             staging.rename(target)
+            sync_folder(target.parent)
             shutil.rmtree(retired, ignore_errors=True)
         else:
             staging.rename(target)
+            sync_folder(target.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def staging_prefix(target: Path) -> str:
+    """How temporary files and folders beside ``target`` begin (the process id follows): hidden, and
+    naming the host, so that only this host's dead writers' leftovers are removed."""
+    return f".{target.name}-{socket.gethostname()}-"
+
+
+def _retired(target: Path) -> Path:
+    return target.with_name(f".{target.name}-old")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers(target: Path) -> None:
+    """Remove what writes of ``target`` killed midway left beside it: staging folders and temporary
+    files of this host's processes that are gone, and a retired ``-old`` folder once ``target`` is
+    back in place (while it is missing, the retired folder is the last good copy: kept)."""
+    prefix = staging_prefix(target)
+    for entry in target.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = entry.name[len(prefix) :].split("-", 1)[0].split(".", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    if target.exists():
+        shutil.rmtree(_retired(target), ignore_errors=True)
+
+
+def _sync_tree(folder: Path) -> None:
+    """fsync every file under ``folder`` and the folders themselves."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    for path in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        sync_folder(path)
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync a folder: a rename in it survives a power cut."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass  # a file system that cannot sync folders
+    finally:
+        os.close(handle)
 
 
 def _umask() -> int:
@@ -67,12 +177,16 @@ def _as_umask_allows(folder: Path) -> None:
 def write_atomically(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file beside it: never a half-written page."""
     target = Path(path)
-    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    remove_leftovers(target)
+    handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f"{staging_prefix(target)}{os.getpid()}.")
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
         os.chmod(temporary, 0o666 & ~_umask())
         os.replace(temporary, target)
+        sync_folder(target.parent)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise

@@ -48,7 +48,7 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
 
     model, tokenizer = merged_model(adapter, base)
     model.config.use_cache = True
-    with atomic_directory(out) as staging:
+    with atomic_directory(out, setting="--out") as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         sentencepiece = Path(resolve_model_path(adapter_base(adapter, base))) / SENTENCEPIECE_MODEL

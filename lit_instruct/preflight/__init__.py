@@ -11,11 +11,13 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from lit_instruct.errors import ConfigError
+from lit_instruct.io import check_replaceable
 from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.models.four_bit import require_bitsandbytes
 from lit_instruct.models.load import QuantizationConfig, load_base_model
@@ -23,7 +25,7 @@ from lit_instruct.models.lora import LoRAConfig, attach_lora, lora_config_of, wi
 from lit_instruct.models.packing import UNPACKABLE_MODEL_TYPES
 from lit_instruct.preflight.adapter_fit import adapter_on_skeleton, check_adapter_folder
 from lit_instruct.preflight.model_source import model_source
-from lit_instruct.preflight.resume import check_resume_structure
+from lit_instruct.preflight.resume import check_resume_structure, run_folders
 from lit_instruct.rules import check_values, flatten, refuse_conflicts
 
 NOT_PROBED = "layers the model never calls: found when the weights load"
@@ -89,6 +91,8 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
         require_bitsandbytes()
     name = settings["model.model"]
     check_resume(config.get("ckpt_path"), name, lora, settings)
+    if settings.get("model.adapter_dir"):
+        check_adapter_dir(settings["model.adapter_dir"], run_folders(config))
     source = model_source(name)
     skeleton = _skeleton(source, settings)
     model_type = str(getattr(skeleton.config, "model_type", "?"))
@@ -134,6 +138,21 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
 
 SPECIAL_CHECKPOINTS = ("best", "hpc", "registry")
 """``ckpt_path`` values Lightning resolves itself (``last`` is resolved when the config is read)."""
+
+
+def check_adapter_dir(adapter_dir: str, run_folders: list[Path]) -> None:
+    """``model.adapter_dir`` is written whole at the end: it must hold nothing but an adapter of
+    ours, and none of the folders the run writes its checkpoints and logs into."""
+    target = Path(adapter_dir).resolve()
+    for folder in run_folders:
+        if target == folder.resolve() or target in folder.resolve().parents:
+            raise ConfigError(
+                "model.adapter_dir",
+                f"{adapter_dir!r} holds the run's folder {str(folder)!r} (checkpoints, logs), which "
+                "writing the adapter would delete; name a folder of its own, e.g. "
+                f"{str(Path(adapter_dir) / 'adapter')!r}",
+            )
+    check_replaceable(target, "model.adapter_dir")
 
 
 def check_resume(ckpt_path: Any, name: str, lora: LoRAConfig, settings: Mapping[str, Any]) -> None:

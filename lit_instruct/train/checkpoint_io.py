@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lit_instruct.io import check_archive
+from lit_instruct.io import check_archive, remove_leftovers, staging_prefix, sync_folder
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -30,13 +30,15 @@ class SafeCheckpointIO(TorchCheckpointIO):
             raise TypeError("SafeCheckpointIO takes no storage_options")
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        remove_leftovers(path)
+        temporary = path.with_name(f"{staging_prefix(path)}{os.getpid()}.tmp")
         try:
             with open(temporary, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temporary, path)
+            sync_folder(path.parent)
         finally:
             temporary.unlink(missing_ok=True)
 

@@ -21,7 +21,7 @@ from lit_instruct.adapter_folder import save_adapter
 from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.distributed import full_tensor, launched_rank
 from lit_instruct.errors import ConfigError
-from lit_instruct.io import log_dir
+from lit_instruct.io import check_replaceable, log_dir
 from lit_instruct.loss.contract import LossFn
 from lit_instruct.loss.table import LossChoice, resolve_loss
 from lit_instruct.models.build import (
@@ -257,6 +257,8 @@ class InstructLoRAModule(L.LightningModule):
                 "data.packing is on but the model was built without packing: pass "
                 "InstructLoRAModule(packing=True) (the CLI links data.packing to model.packing)"
             )
+        if stage == "fit":
+            self._check_adapter_folder()
         if self.dtype_chosen:
             self._match_trainer_precision()
         if self.eva_pending and stage == "fit":
@@ -272,6 +274,18 @@ class InstructLoRAModule(L.LightningModule):
                 f"added_tokens={self.hparams.get('added_tokens')}: pass InstructLoRAModule(added_tokens="
                 "datamodule.new_token_list()) (the CLI links them)"
             )
+
+    def _check_adapter_folder(self) -> None:
+        """The folder the adapter will replace holds nothing but an adapter of ours, and not this
+        run's own log folder: refused before training, not after it."""
+        target, run = self.adapter_path().resolve(), log_dir(self.trainer).resolve()
+        if target == run or target in run.parents:
+            raise ConfigError(
+                "model.adapter_dir",
+                f"{str(self.hparams['adapter_dir'])!r} holds this run's log folder {str(run)!r} "
+                "(checkpoints, metrics), which writing the adapter would delete; name a folder of its own",
+            )
+        check_replaceable(target, "model.adapter_dir")
 
     def _match_trainer_precision(self) -> None:
         """``dtype: auto`` chose bf16 base weights for this hardware, but the Trainer computes in
