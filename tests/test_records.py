@@ -484,3 +484,131 @@ def test_two_reasoning_fields_of_a_turn_must_agree(tmp_path: Path) -> None:
     for pair, reasoning in ((('"Add."', '"Add."'), "Add."), (('""', '"Add two."'), "Add two.")):
         (record,) = read_source(write_jsonl(tmp_path / "same.jsonl", [json.loads(line % pair)]))
         assert record.messages[1] == Message("assistant", "4", reasoning=reasoning) and record.unused == ()
+
+
+# -- issue 49 item 9: every decode or parse failure is a DataError naming where it is --------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+"""A value nested far deeper than Python's JSON parser recurses."""
+ITEM9_LINES = {  # reason: (bytes of line 2 between two good lines, the message after "file:2: ")
+    "invalid_utf8": (
+        b'{"prompt": "caf\xe9", "completion": "ok"}',
+        r"invalid UTF-8 at column 16 \(byte 0xe9\)",
+    ),
+    "nested_too_deep": (
+        ('{"prompt": ' + DEEP + ', "completion": "ok"}').encode(),
+        r"JSON nested too deeply",
+    ),
+    "invalid_json": (
+        ('{"prompt": "x", "completion": ' + "1" * 5000 + "}").encode(),
+        r"invalid JSON: Exceeds the limit \(4300 digits\)",
+    ),
+    "duplicate_key": (
+        b'{"prompt": "x", "completion": "y", "prompt": "z"}',
+        r"key 'prompt' appears more than once in an object",
+    ),
+}
+
+
+def _bad_file(path: Path, lines: list[bytes]) -> Path:
+    """``lines`` each between two good lines (the bad ones on even lines)."""
+    path.write_bytes(b"".join(GOOD.encode() + b"\n" + line + b"\n" for line in lines) + GOOD.encode() + b"\n")
+    return path
+
+
+@pytest.mark.parametrize("reason", ITEM9_LINES)
+def test_item9_decode_and_parse_failures_name_file_line_and_are_skipped_counted(tmp_path, reason) -> None:
+    """Invalid UTF-8, nesting deeper than the parser recurses, an integer over Python's digit limit
+    and a repeated key: each a DataError naming file and line, or under skip a counted reject whose
+    text the rejects file can hold."""
+    from collections import Counter
+
+    from lit_instruct.data.validation import Rejects
+
+    line, expected = ITEM9_LINES[reason]
+    path = _bad_file(tmp_path / "bad.jsonl", [line])
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: ") + expected) as caught:
+        read_source(path)
+    assert caught.value.reason == reason
+    counts: Counter[str] = Counter()
+    rejects = Rejects("skip")
+    records = read_source(path, rejects.on_bad_raw(counts))
+    assert [r.source for r in records] == [f"{path}:1", f"{path}:3"]
+    assert counts == Counter({f"skipped_{reason}": 1})
+    written = json.loads(rejects.write(tmp_path / "rejects.jsonl").read_text(encoding="utf-8"))
+    assert written["source"] == f"{path}:2" and written["reason"] == reason
+
+
+def test_item9_a_repeated_key_is_refused_at_any_depth(tmp_path) -> None:
+    turns = '[{"role": "user", "content": "Hi", "role": "assistant"}, {"role": "assistant", "content": "A"}]'
+    path = _bad_file(tmp_path / "chat.jsonl", [f'{{"messages": {turns}}}'.encode()])
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: key 'role' appears more than once")):
+        read_source(path)
+
+
+def test_item9_a_json_array_files_bad_records_are_named_and_skipped(tmp_path) -> None:
+    """In a JSON array file, a record with bytes that are not UTF-8, a repeated key or nesting deeper
+    than the parser recurses is named by its index and line, and skipped under skip."""
+    records = [
+        b'{"prompt": "caf\xe9", "completion": "ok"}',
+        b'{"prompt": "x", "completion": "y", "completion": "z"}',
+        ('{"prompt": ' + DEEP + ', "completion": "ok"}').encode(),
+    ]
+    path = tmp_path / "array.json"
+    path.write_bytes(
+        b"[\n" + b"".join(GOOD.encode() + b",\n" + r + b",\n" for r in records) + GOOD.encode() + b"\n]\n"
+    )
+    expected = [
+        ("[record 2]", "invalid_utf8", r"line 3, column 16: invalid UTF-8 \(byte 0xe9\)"),
+        ("[record 4]", "duplicate_key", r"line 5: key 'completion' appears more than once"),
+        ("[record 6]", "nested_too_deep", r"line 7: JSON nested too deeply"),
+    ]
+    with pytest.raises(DataError, match=re.escape(f"{path}[record 2]: ") + expected[0][2]):
+        read_source(path)
+    bad: list[tuple[str, str, str]] = []
+    good = read_source(path, on_bad=lambda raw, error: bad.append((raw.source, error.reason, error.message)))
+    assert [r.source for r in good] == [f"{path}[record {k}]" for k in (1, 3, 5, 7)]
+    assert [(source, reason) for source, reason, _ in bad] == [(f"{path}{i}", r) for i, r, _ in expected]
+    for (_, _, message), (_, _, pattern) in zip(bad, expected, strict=True):
+        assert re.match(pattern, message), message
+
+
+def test_item9_a_csv_file_with_bytes_that_are_not_utf8_names_the_row_and_line(tmp_path) -> None:
+    """A csv row holding bytes that are not UTF-8 is refused naming the file, row and line; the other
+    rows are read as ``datasets`` reads a clean file."""
+    clean = tmp_path / "clean.csv"
+    clean.write_bytes(b'prompt,completion\nWhat is 2 times 3?,6\n"Two\nlines",NA\nok,ok\n')
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(b'prompt,completion\nWhat is 2 times 3?,6\n"Two\nlines",NA\ncaf\xe9,ok\n')
+    with pytest.raises(
+        DataError,
+        match=re.escape(f"{path}:row 2: ") + r"field 'prompt': invalid UTF-8 at line 5 \(byte 0xe9\)",
+    ) as caught:
+        read_source(path)
+    assert caught.value.reason == "invalid_utf8"
+    bad: list[str] = []
+    records = read_source(path, on_bad=lambda raw, error: bad.append(raw.source))
+    assert bad == [f"{path}:row 2"]
+    assert [r.messages for r in records] == [r.messages for r in read_source(clean)][:2]
+    assert [r.source for r in records] == [f"{path}:row 0", f"{path}:row 1"]
+
+
+@pytest.mark.parametrize(
+    ("cell", "message", "reason"),
+    [
+        (DEEP[:50_000], r"field 'messages': JSON nested too deeply", "nested_too_deep"),
+        (
+            '[{"role": "user", "content": "Hi", "content": "Bye"}, {"role": "assistant", "content": "A"}]',
+            r"field 'messages': key 'content' appears more than once",
+            "duplicate_key",
+        ),
+    ],
+)
+def test_item9_json_text_in_a_table_cell_is_checked_alike(tmp_path, cell, message, reason) -> None:
+    import datasets
+
+    path = tmp_path / "chats.parquet"
+    datasets.Dataset.from_list([{"messages": cell}]).to_parquet(path)
+    with pytest.raises(DataError, match=re.escape(f"{path}:row 0: ") + message) as caught:
+        read_source(path)
+    assert caught.value.reason == reason

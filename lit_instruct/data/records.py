@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from lit_instruct.data.strict_json import JSONProblem, StrictDecoder
+
 RecordFormat = Literal["auto", "alpaca", "prompt_completion", "chat", "sharegpt", "text"]
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
@@ -212,9 +214,11 @@ def _json_value(value: Any, field: str, source: str) -> Any:
     """``value``, parsed when it is a JSON string (tables often keep nested data as text)."""
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            return StrictDecoder().loads(value)
         except json.JSONDecodeError as err:
             raise DataError(source, f"field '{field}' is not valid JSON: {err.msg}", "bad_type") from err
+        except JSONProblem as problem:
+            raise DataError(source, f"field '{field}': {problem.message}", problem.reason) from problem
     return value
 
 

@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -22,6 +23,15 @@ from typing import Any
 
 from lit_instruct.data.chatterbot import corpus_dir, read_chatterbot
 from lit_instruct.data.records import DataError, Record, RecordFormat, to_record
+from lit_instruct.data.strict_json import (
+    INVALID_UTF8,
+    JSONProblem,
+    StrictDecoder,
+    byte_of,
+    is_utf8,
+    readable,
+    value_end,
+)
 from lit_instruct.errors import ConfigError
 from lit_instruct.network import reachable
 from lit_instruct.templates import template_text
@@ -29,6 +39,7 @@ from lit_instruct.templates import template_text
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 """Files read as tables through ``datasets``."""
 DATA_SUFFIXES = (".json", ".jsonl", *TABLE_SUFFIXES)
+NOT_UTF8 = "the file is not UTF-8 text (re-encode it: iconv -f <its encoding> -t utf-8)"
 NOT_DATA = ("dataset_info.json",)
 """Files of a data folder that describe it rather than hold records (LLaMA-Factory's mapping)."""
 CHATTERBOT = "chatterbot:"
@@ -114,17 +125,15 @@ class RawRecord:
 
 def iter_json(path: Path) -> Iterator[RawRecord]:
     """Each record of a JSON array file, or of a JSON Lines file read line by line (blank lines in
-    between are errors, trailing ones end the file; a truncated line is named as such)."""
+    between are errors, trailing ones end the file; a truncated line is named as such). A record
+    that cannot be parsed or used (bytes that are not UTF-8, a repeated key, nesting too deep) is an
+    error of its own; an array whose structure is broken is one error for the file."""
     if path.suffix == ".json" and _starts_with_bracket(path):
-        try:
-            values = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as err:  # the whole file is unusable: always an error
-            raise DataError(f"{path}:{err.lineno}", f"invalid JSON: {err.msg}", "invalid_json") from err
-        for index, value in enumerate(values, start=1):
-            yield RawRecord(json.dumps(value), f"{path}[record {index}]", value)
+        yield from _iter_array(path)
         return
     blank: list[int] = []  # blank lines seen since the last record: errors only if one follows
-    with path.open(encoding="utf-8") as lines:
+    decoder = StrictDecoder()
+    with path.open(encoding="utf-8", errors="surrogateescape") as lines:
         for lineno, line in enumerate(lines, start=1):
             line = line.rstrip("\r\n")
             if not line.strip():
@@ -134,28 +143,139 @@ def iter_json(path: Path) -> Iterator[RawRecord]:
                 source = f"{path}:{number}"
                 yield RawRecord("", source, error=DataError(source, "blank line", "blank_line"))
             blank = []
-            yield parse_line(line, f"{path}:{lineno}")
+            yield parse_line(line, f"{path}:{lineno}", decoder)
 
 
 def _starts_with_bracket(path: Path) -> bool:
     """Whether the file's first non-blank character is ``[`` (a JSON array, not JSON Lines)."""
-    with path.open(encoding="utf-8") as handle:
+    with path.open("rb") as handle:
         while chunk := handle.read(1 << 16):
             if chunk.strip():
-                return chunk.lstrip().startswith("[")
+                return chunk.lstrip().startswith(b"[")
     return False
 
 
-def parse_line(line: str, source: str) -> RawRecord:
-    """One JSON Lines record, or the reason it is not one."""
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    return _WHITESPACE.match(text, pos).end()  # type: ignore[union-attr]  # matches anywhere
+
+
+def _line_and_column(text: str, pos: int) -> tuple[int, int]:
+    return text.count("\n", 0, pos) + 1, pos - text.rfind("\n", 0, pos)
+
+
+def _array_values(text: str) -> Iterator[tuple[int, int, Any, JSONProblem | None]]:
+    """Each value of the JSON array ``text``: where it starts and ends, the value or why it cannot be
+    used. A broken structure raises ``JSONDecodeError``."""
+    decoder = StrictDecoder()
+    pos = _skip_space(text, _skip_space(text, 0) + 1)  # past the opening bracket
+    while not text.startswith("]", pos):
+        start = pos
+        try:
+            value, pos = decoder.raw_decode(text, start)
+            yield start, pos, value, None
+        except JSONProblem as problem:
+            end = problem.end if problem.end is not None else value_end(text, start)
+            if end is None:
+                raise json.JSONDecodeError("Unterminated value", text, start) from problem
+            yield start, end, None, problem
+            pos = end
+        pos = _skip_space(text, pos)
+        if text.startswith(",", pos):
+            pos = _skip_space(text, pos + 1)
+            if text.startswith("]", pos):
+                raise json.JSONDecodeError("Illegal trailing comma before end of array", text, pos)
+        elif not text.startswith("]", pos):
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+    pos = _skip_space(text, pos + 1)
+    if pos != len(text):
+        raise json.JSONDecodeError("Extra data", text, pos)
+
+
+def _iter_array(path: Path) -> Iterator[RawRecord]:
+    """The records of a JSON array file, each named ``file[record N]`` (its line in the message)."""
+    text = path.read_bytes().decode("utf-8", "surrogateescape")
     try:
-        return RawRecord(line, source, json.loads(line))
+        for index, (start, end, value, problem) in enumerate(_array_values(text), start=1):
+            source = f"{path}[record {index}]"
+            line, column = _line_and_column(text, start)
+            bad = INVALID_UTF8.search(text, start, end)
+            if bad:
+                line, column = _line_and_column(text, bad.start())
+                message = f"line {line}, column {column}: invalid UTF-8 ({byte_of(bad)}): {NOT_UTF8}"
+                error = DataError(source, message, "invalid_utf8")
+            elif problem is not None:
+                error = DataError(source, f"line {line}: {problem.message}", problem.reason)
+            else:
+                yield RawRecord(json.dumps(value), source, value)
+                continue
+            yield RawRecord(readable(text[start:end]), source, error=error)
+    except json.JSONDecodeError as err:  # the whole file is unusable: always an error
+        raise DataError(f"{path}:{err.lineno}", f"invalid JSON: {err.msg}", "invalid_json") from err
+
+
+def parse_line(line: str, source: str, decoder: StrictDecoder | None = None) -> RawRecord:
+    """One JSON Lines record, or the reason it is not one."""
+    bad = INVALID_UTF8.search(line)
+    if bad:
+        message = f"invalid UTF-8 at column {bad.start() + 1} ({byte_of(bad)}): {NOT_UTF8}"
+        return RawRecord(readable(line), source, error=DataError(source, message, "invalid_utf8"))
+    try:
+        return RawRecord(line, source, (decoder or StrictDecoder()).loads(line))
     except json.JSONDecodeError as err:
         if err.pos >= len(line.rstrip()) or err.msg.startswith("Unterminated string"):
             error = DataError(source, f"line is truncated: the JSON ends early ({err.msg})", "truncated_line")
         else:
             error = DataError(source, f"invalid JSON at column {err.colno}: {err.msg}", "invalid_json")
-        return RawRecord(line, source, error=error)
+    except JSONProblem as problem:
+        error = DataError(source, problem.message, problem.reason)
+    return RawRecord(line, source, error=error)
+
+
+def iter_csv_text(path: Path) -> Iterator[RawRecord]:
+    """The rows of a csv file that is not all UTF-8 (``datasets`` cannot read it): every cell text, as
+    :func:`csv_as_text` reads them; a row holding a byte that is not UTF-8 is an error naming its
+    line, rows numbered as ``datasets`` numbers them."""
+    import csv
+
+    with path.open(encoding="utf-8", errors="surrogateescape", newline="") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, [])
+        index, line = 0, reader.line_num + 1  # the line the next row starts on
+        for cells in reader:
+            start, line = line, reader.line_num + 1
+            if not cells:  # a blank line: no row
+                continue
+            source = f"{path}:row {index}"
+            index += 1
+            row: dict[str, Any] = dict(zip(header, cells + [None] * (len(header) - len(cells)), strict=False))
+            error = _csv_row_error(header, cells, start, source)
+            if error is not None:
+                yield RawRecord(readable(json.dumps(row, ensure_ascii=False)), source, error=error)
+            else:
+                yield RawRecord(json.dumps(row), source, row)
+
+
+def _csv_row_error(header: list[str], cells: list[str], start: int, source: str) -> DataError | None:
+    """Why a csv row (starting on line ``start``) cannot be read: a byte that is not UTF-8 in a cell or
+    the header, more cells than the header names."""
+    for j, cell in enumerate([*header, *cells]):
+        bad = INVALID_UTF8.search(cell)
+        if bad:
+            if j < len(header):
+                where, line = f"column name {readable(cell)!r}", 1
+            else:
+                k = j - len(header)
+                where = f"field {readable(header[k]) if k < len(header) else k!r}"
+                line = start + sum(c.count("\n") for c in cells[:k]) + cell.count("\n", 0, bad.start())
+            return DataError(
+                source, f"{where}: invalid UTF-8 at line {line} ({byte_of(bad)}): {NOT_UTF8}", "invalid_utf8"
+            )
+    if len(cells) > len(header):
+        return DataError(source, f"the row has {len(cells)} cells, the header {len(header)}", "bad_type")
+    return None
 
 
 def is_saved_dataset(folder: Path) -> bool:
@@ -266,7 +386,9 @@ def iter_source(source: DataSource, streaming: bool = False) -> Iterator[RawReco
         yield from iter_rows(dataset, f"{source.path}[{source.split}]")
         return
     for file in data_files(path):
-        if streaming and file.suffix in (".parquet", ".csv"):
+        if file.suffix == ".csv" and not is_utf8(file):  # datasets would fail on the whole file
+            yield from iter_csv_text(file)
+        elif streaming and file.suffix in (".parquet", ".csv"):
             import datasets
 
             builder = file.suffix[1:]
