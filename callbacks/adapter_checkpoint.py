@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-from lit_instruct.adapter_folder import save_adapter
+from lit_instruct.adapter_folder import ADAPTER_WEIGHTS, save_adapter
 
 SAVING_HOOKS = frozenset(
     {"on_train_batch_end", "on_train_epoch_end", "on_validation_end", "on_exception", "on_train_end"}
@@ -45,6 +46,7 @@ class AdapterCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._adapters: dict[str, tuple[int, int]] = {}  # checkpoint -> its (inode, mtime) when adapted
+        self._fit_started_ns = time.time_ns()
 
     @staticmethod
     def adapter_dir(checkpoint_path: str | Path) -> Path:
@@ -55,9 +57,29 @@ class AdapterCheckpoint(ModelCheckpoint):
     def _kept(self) -> set[str]:
         return {str(p) for p in (*self.best_k_models, self.best_model_path, self.last_model_path) if p}
 
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """``ModelCheckpoint``'s state, and which checkpoint files have their adapter written: a resumed
+        run must not write them again from its own (later) weights."""
+        return {**super().state_dict(), "adapters": {p: list(stamp) for p, stamp in self._adapters.items()}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._adapters = {p: (int(s[0]), int(s[1])) for p, s in state_dict.get("adapters", {}).items()}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._fit_started_ns = time.time_ns()
+
     def sync_adapters(self, trainer: L.Trainer) -> None:
         """Write the adapter of each kept checkpoint file that is new or rewritten since the last
-        call, and remove the adapters of checkpoint files that are gone (rank 0)."""
+        call, and remove the adapters of checkpoint files that are gone (rank 0).
+
+        A file this fit wrote gets the adapter of the module's weights (the hook follows its save);
+        a file from before this fit (a resumed run's) is never given the weights of now: its folder
+        is kept when written after the file, else written from the file's own state."""
         if not trainer.is_global_zero:
             return
         for path in [p for p in self._adapters if not os.path.exists(p)]:
@@ -67,15 +89,26 @@ class AdapterCheckpoint(ModelCheckpoint):
             if not os.path.isfile(path):
                 continue
             stat = os.stat(path)
-            if self._adapters.get(path) != (stat.st_ino, stat.st_mtime_ns):
-                module = trainer.lightning_module
-                # InstructLoRAModule's writer adds the template, a grown tokenizer, a residual-init conversion
-                write = getattr(module, "write_adapter", None)
-                if callable(write):
-                    write(self.adapter_dir(path))
-                else:
-                    save_adapter(module.model, self.adapter_dir(path))
-                self._adapters[path] = (stat.st_ino, stat.st_mtime_ns)
+            stamp = (stat.st_ino, stat.st_mtime_ns)
+            folder = self.adapter_dir(path)
+            if self._adapters.get(path) == stamp and (folder / ADAPTER_WEIGHTS).is_file():
+                continue
+            if stat.st_mtime_ns >= self._fit_started_ns:
+                self._write(trainer, folder, None)
+            elif not _written_after(folder, stat.st_mtime_ns):
+                state = trainer.strategy.checkpoint_io.load_checkpoint(path)["state_dict"]
+                self._write(trainer, folder, {k.removeprefix("model."): v for k, v in state.items()})
+            self._adapters[path] = stamp
+
+    @staticmethod
+    def _write(trainer: L.Trainer, folder: Path, state: dict[str, Any] | None) -> None:
+        module = trainer.lightning_module
+        # InstructLoRAModule's writer adds the template, a grown tokenizer, a residual-init conversion
+        write = getattr(module, "write_adapter", None)
+        if callable(write):
+            write(folder, state)
+        else:
+            save_adapter(module.model, folder, state)
 
     @override
     def on_train_batch_end(
@@ -105,3 +138,9 @@ class AdapterCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         self.sync_adapters(trainer)
+
+
+def _written_after(folder: Path, mtime_ns: int) -> bool:
+    """Whether ``folder`` holds a whole adapter written after ``mtime_ns`` (its checkpoint's time)."""
+    weights = folder / ADAPTER_WEIGHTS  # folders appear whole (atomic_directory): no half-written one
+    return weights.is_file() and weights.stat().st_mtime_ns >= mtime_ns

@@ -171,3 +171,42 @@ def test_a_missing_checkpoint_is_one_line(
         main(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(tmp_path / "nope.ckpt")))
     assert stop.value.code == 2
     assert "ckpt_path: " in capsys.readouterr().err
+
+
+def adapter_weights_of(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The LoRA weights a checkpoint file holds, named as its adapter folder names them."""
+    stored = torch.load(checkpoint, weights_only=True)["state_dict"]
+    return {k.removeprefix("model.").replace(".default.", "."): v for k, v in stored.items()}
+
+
+@pytest.mark.slow
+def test_item3_a_resume_keeps_every_kept_checkpoints_adapter_as_it_was(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    from lit_instruct.callbacks import AdapterCheckpoint
+    from tests.helpers import make, trainer
+
+    def fit(max_steps: int, ckpt_path: Path | None = None) -> None:
+        module, data = make(tiny_model_dir, chat_file)
+        keep = AdapterCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=2, monitor="train/loss", save_top_k=-1
+        )
+        run = trainer(tmp_path, max_steps=max_steps, limit_val_batches=0, enable_checkpointing=True)
+        run.callbacks.insert(0, keep)
+        run.fit(module, datamodule=data, ckpt_path=ckpt_path)
+
+    fit(4)
+    first = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert len(first) == 2
+    (AdapterCheckpoint.adapter_dir(first[0]) / "adapter_model.safetensors").unlink()  # lost: rebuilt
+    fit(8, ckpt_path=first[-1])
+    checkpoints = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert len(checkpoints) == 4
+    for checkpoint in checkpoints:
+        written = load_file(AdapterCheckpoint.adapter_dir(checkpoint) / "adapter_model.safetensors")
+        expected = adapter_weights_of(checkpoint)
+        assert written.keys() == expected.keys()
+        for name, weight in expected.items():
+            assert torch.equal(written[name], weight), (checkpoint.name, name)
