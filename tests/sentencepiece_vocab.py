@@ -69,11 +69,11 @@ def sentencepiece_tokenizer(style: str, folder: Path) -> Any:
     for text, special in settings["added"].items():
         tokenizer.add_tokens([transformers.AddedToken(text, special=special, normalized=False)], special)
     tokenizer.save_pretrained(folder)
-    _as_the_hub_ships_it(tokenizer, folder / "tokenizer_config.json")
+    as_the_hub_ships_it(tokenizer, folder / "tokenizer_config.json")
     return tokenizer
 
 
-def _as_the_hub_ships_it(tokenizer: Any, config_file: Path) -> None:
+def as_the_hub_ships_it(tokenizer: Any, config_file: Path) -> None:
     """``added_tokens_decoder`` and ``add_bos_token``/``add_eos_token`` written into the tokenizer's
     config, as ``transformers`` 4 saved the Llama 2, Mistral, Phi-3 and Gemma folders on the Hub
     (``transformers`` 5 keeps them in ``tokenizer.json`` only)."""

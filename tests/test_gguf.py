@@ -81,6 +81,15 @@ def test_an_unknown_vocabulary_needs_the_pre_tokenizer_name(tiny_model_dir, toke
         write_gguf(model, tokenizer, tmp_path / "m.gguf")
 
 
+def test_more_tokens_than_embedding_rows_are_refused(tiny_model_dir, tokenizer, tmp_path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    grown = copy.deepcopy(tokenizer)
+    grown.add_tokens(["<new_token>"])
+    with pytest.raises(ValueError, match="token ids up to 49152 but the model has 49152 embedding rows"):
+        write_gguf(model, grown, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 GO_ACTION = re.compile(r"\{\{-? *(range \.Messages|end|\.Role|\.Content|if \.System|\.System) *-?\}\}")
 
 

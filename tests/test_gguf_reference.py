@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
 
 from lit_instruct.export.gguf import SUPPORTED, rope_factors, write_gguf
-from tests.llama_cpp import convert, differences
-from tests.sentencepiece_vocab import sentencepiece_tokenizer
+from tests.llama_cpp import contents, convert, differences
+from tests.sentencepiece_vocab import PIECES, STYLES, as_the_hub_ships_it, sentencepiece_tokenizer
 
 BASE = {
     "vocab_size": 49152,
@@ -50,10 +51,12 @@ FAMILIES = {  # name: (config class, settings, tokenizer class in tokenizer_conf
 }
 
 
-def tiny_model(name: str, tokenizer, folder: Path) -> Path:
+def tiny_model(name: str, tokenizer, folder: Path, **overrides: Any) -> Path:
     """A tiny random model of ``name`` with random norms (an offset would show), saved with its
-    tokenizer: SmolLM2's byte-level BPE, or a SentencePiece vocabulary in the family's style."""
+    tokenizer: SmolLM2's byte-level BPE, or a SentencePiece vocabulary in the family's style
+    (``overrides``: config settings over the family's)."""
     cls, settings, tokenizer_class, style = FAMILIES[name]
+    settings = {**settings, **overrides}
     if style is not None:
         sentencepiece_tokenizer(style, folder)
     else:
@@ -86,6 +89,56 @@ def test_our_gguf_equals_llama_cpps_converter(name, tokenizer, tmp_path) -> None
         theirs = convert(folder, tmp_path / f"theirs-{quant}.gguf", quant, tokenizer_pre=pre)
         ours = write_gguf(model, tokenizer, tmp_path / f"ours-{quant}.gguf", quant, tokenizer_pre=pre)
         assert differences(ours, theirs) == [], f"{name} {quant}"
+
+
+ODD_TOKENS = {  # text: (special, normalized), added after the vocabulary
+    "oddtok": (False, False),  # an ordinary word: user-defined
+    "\u2581lead": (False, False),  # user-defined: `▁` written as a space
+    "x\u2581y": (False, False),
+    "\u0120gx": (False, False),  # byte-level: decoded, `Ġ` a space
+    "\u0120gnorm": (False, True),  # normalized: not decoded
+    "<|foo|>": (False, False),  # not marked special but looks it: control
+    "<unused7>": (False, False),
+    "<extra_special>": (True, False),  # special: control, text unchanged
+    "\u2581sp": (True, False),
+}
+
+
+def model_with_odd_tokens(name: str, tokenizer, folder: Path) -> Path:
+    """:func:`tiny_model` of ``name`` whose tokenizer has :data:`ODD_TOKENS` added, with embedding rows
+    for them and a few past them."""
+    style = FAMILIES[name][3]
+    before = PIECES + len(STYLES[style]["added"]) if style else len(tokenizer)
+    tiny_model(name, tokenizer, folder, vocab_size=before + len(ODD_TOKENS) + 3)
+    grown = AutoTokenizer.from_pretrained(folder)
+    for text, (special, normalized) in ODD_TOKENS.items():
+        grown.add_tokens([AddedToken(text, special=special, normalized=normalized)], special_tokens=special)
+    assert len(grown) == before + len(ODD_TOKENS)
+    grown.save_pretrained(folder)
+    if style:
+        as_the_hub_ships_it(grown, folder / "tokenizer_config.json")
+    return folder
+
+
+VOCABULARY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "llama-2", "phi3-mini"])  # byte-level, SentencePiece, Phi-3's
+def test_item14_added_tokens_typed_as_llama_cpp(name, tokenizer, tmp_path) -> None:
+    """Every added token's text and type (and score) as the converter writes them: special, looking
+    special, with `▁` or `Ġ`, normalized or not."""
+    folder = model_with_odd_tokens(name, tokenizer, tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    pre = None if FAMILIES[name][3] else "smollm"
+    theirs, _ = contents(convert(folder, tmp_path / "theirs.gguf", tokenizer_pre=pre))
+    grown = AutoTokenizer.from_pretrained(folder)
+    ours, _ = contents(write_gguf(model, grown, tmp_path / "ours.gguf", tokenizer_pre=pre))
+    for key in VOCABULARY_KEYS:
+        if key in theirs or key in ours:
+            assert len(ours[key]) == len(theirs[key]) == model.config.vocab_size, key
+            pairs = enumerate(zip(ours[key], theirs[key], strict=True))
+            assert [(i, a, b) for i, (a, b) in pairs if a != b] == [], f"{key}: (id, ours, llama.cpp)"
 
 
 def test_llama3_rope_factors_match_transformers_own_scaled_frequencies() -> None:
@@ -136,7 +189,6 @@ def test_an_rslora_adapter_on_the_base_gguf_gives_the_merged_gguf(tokenizer, tmp
     itself computes (rsLoRA's ``alpha / sqrt(r)`` included), tensor by tensor in the GGUF layout."""
     from lit_instruct.export.adapter import merged_model
     from lit_instruct.export.gguf_lora import write_lora_gguf
-    from tests.llama_cpp import contents
 
     base = tiny_model("llama", tokenizer, tmp_path / "model")
     adapter = trained_adapter(base, tmp_path / "adapter", use_rslora=True)

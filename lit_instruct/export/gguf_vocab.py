@@ -51,19 +51,28 @@ def sentencepiece_file(tokenizer: Any, folders: tuple[str | Path, ...] = ()) -> 
     return found
 
 
+def looks_special(text: str) -> bool:
+    """llama.cpp's ``does_token_look_special``: an added token the converter types control even when
+    the tokenizer does not mark it special (``<|...|>``, ``<｜...｜>``, ``<unused...>``, Gemma's
+    ``<mask>``)."""
+    return (
+        text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
+        or (text.startswith("<|") and text.endswith("|>"))
+        or (text.startswith("<\uff5c") and text.endswith("\uff5c>"))
+        or (text.startswith("<unused") and text.endswith(">"))
+    )
+
+
 def _added_token_text(content: str, special: bool, plain: bool) -> tuple[str, int]:
-    """An added token's text and GGUF type: control when marked special or when it looks like a
-    control token (``<|...|>``, Gemma's ``<mask>``) that a model forgot to mark; any other is
-    user-defined with ``▁`` read as a space. ``plain`` (Phi-3): special or user-defined as marked."""
+    """An added token's text and GGUF type, as the converter writes them: control, text unchanged,
+    when marked special or when it :func:`looks_special`; any other user-defined with ``▁`` written
+    as a space. ``plain`` (Phi-3's SentencePiece path): control or user-defined as marked, text
+    unchanged."""
     import gguf
 
     if plain:
         return content, int(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
-    looks_special = content in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (
-        (content.startswith("<|") and content.endswith("|>"))
-        or (content.startswith("<\uff5c") and content.endswith("\uff5c>"))
-    )
-    if special or looks_special:
+    if special or looks_special(content):
         return content, int(gguf.TokenType.CONTROL)
     return content.replace(WORD_START, " "), int(gguf.TokenType.USER_DEFINED)
 
@@ -128,22 +137,35 @@ def add_space_prefix(model_file: Path) -> bool:
 def byte_level_vocabulary(
     tokenizer: Any, model: dict[str, Any], vocab_size: int
 ) -> tuple[list[str], list[int], list[str]]:
-    """Tokens, types (control for special tokens, user-defined for other added ones) and merges
-    (``model``: the ``model`` section of the tokenizer's ``tokenizer.json``)."""
+    """Tokens, types and merges (``model``: the ``model`` section of the tokenizer's ``tokenizer.json``),
+    as the converter's ``get_vocab_base`` writes them: an added token's text is what the tokenizer
+    decodes it to when it is not normalized (byte-level ``Ġ`` a space), then typed by
+    :func:`_added_token_text`; ids no token has are ``[PADi]``.
+
+    Raises:
+        ValueError: when the tokenizer has more tokens than the model has embedding rows.
+    """
     import gguf
 
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    added = getattr(tokenizer, "added_tokens_decoder", {})
-    special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
-    kinds = gguf.TokenType
-    types = [
-        kinds.CONTROL if i in special else kinds.USER_DEFINED if i in added else kinds.NORMAL
-        for i in range(len(tokens))
-    ]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # embedding rows past the vocabulary
-    types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise ValueError(
+            f"the tokenizer has token ids up to {max(vocab.values())} but the model has {vocab_size} "
+            "embedding rows (llama.cpp's converter stops there too): resize the embeddings to the tokenizer"
+        )
+    added = tokenizer.get_added_vocab()
+    decoder = tokenizer.added_tokens_decoder
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]  # embedding rows past the vocabulary
+    types = [int(gguf.TokenType.UNUSED)] * vocab_size
+    for i, text in {i: text for text, i in vocab.items()}.items():
+        if text not in added:
+            tokens[i], types[i] = text, int(gguf.TokenType.NORMAL)
+            continue
+        if not decoder[i].normalized:
+            text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
+        tokens[i], types[i] = _added_token_text(text, decoder[i].special, plain=False)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return tokens, [int(t) for t in types], merges
+    return tokens, types, merges
 
 
 def write_vocabulary(
