@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 import warnings
 from collections.abc import Mapping
@@ -18,9 +19,11 @@ from jsonargparse._common import debug_mode_active
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_instruct.adapter_folder import adapter_chat_template
 from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
+from lit_instruct.callbacks.interrupt import forced_exit_status
 from lit_instruct.callbacks.terminal_progress import readable_bar
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.preference_datamodule import PreferenceDataModule
@@ -284,8 +287,8 @@ class InstructCLI(LightningCLI):
     def after_fit(self) -> None:
         callbacks = self.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
         interrupt = next(cb for cb in callbacks if isinstance(cb, GracefulInterrupt))
-        if interrupt.interrupted:
-            raise SystemExit(130)  # the checkpoint and the adapter are saved; say it was interrupted
+        if interrupt.interrupted:  # the checkpoint and the adapter are saved; say it was interrupted
+            raise SystemExit(128 + (interrupt.signal_number or signal.SIGINT))
         if self.trainer.interrupted or not self.before:
             return
         if self.model.last_val_step != self.trainer.global_step:
@@ -645,6 +648,13 @@ def main(argv: list[str] | None = None) -> None:
             with warnings.catch_warnings():  # args are given (``--debug`` left out) while sys.argv has some
                 warnings.filterwarnings("ignore", "LightningCLI's args parameter")
                 InstructCLI(args=command)
+    except SIGTERMException:  # Lightning's SIGTERM handler, outside training (validation): exits 0
+        raise SystemExit(128 + signal.SIGTERM) from None
+    except SystemExit as stop:  # a second signal stopped the run at once; Lightning exits 1
+        forced = forced_exit_status()
+        if forced is not None and stop.code == 1:
+            raise SystemExit(forced) from None
+        raise
     except (ConfigError, DataError, UnsupportedModelError) as error:  # the message says it all
         if debug:
             raise

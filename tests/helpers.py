@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import lightning as L
@@ -119,6 +120,16 @@ class StopAfter(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= self.steps:
             trainer.should_stop = True
+
+
+class SlowSteps(L.Callback):
+    """Each training step takes ``seconds`` longer (a real model's step, for signals to land in)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        time.sleep(self.seconds)
 
 
 def write_chats(path: Path, chats: list[list[tuple[str, str]]]) -> Path:
