@@ -6,18 +6,24 @@ each in a fresh process: the first setup with 1 and with 2 processes (``num_proc
 empty cache), and the second setup (a cache hit, memory-mapped), for N and for N/10 conversations
 (the peak RSS of a cached setup should not grow with N).
 
+``--case checksum`` times what checking a cache on open costs: the CRC-32 of every file of a
+200 MB store (as the cache writes and checks it), against SHA-256 and BLAKE2b of the same bytes.
+
     python benchmarks/data_setup.py [--conversations 100000] [--dir /tmp/lit-instruct-data-setup]
+    python benchmarks/data_setup.py --case checksum
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -77,13 +83,63 @@ def measure(path: Path, cache: Path, num_proc: int, fresh: bool) -> dict:
     return run_worker(__file__, str(path), str(cache), str(num_proc))
 
 
+def best_of(run: Callable[[], object]) -> float:
+    """The fastest of three timed calls of ``run``."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def checksum_case(folder: Path, tokens: int = 25_000_000) -> None:
+    """The cache's check of a store of ``tokens`` ids and labels (int32: 200 MB at the default)."""
+    import numpy as np
+
+    from lit_instruct.data.store import SampleStore, check_files, file_checksums
+
+    rng = np.random.default_rng(0)
+    lengths = np.full(tokens // 500, 500)
+    ids = rng.integers(0, 49_152, tokens, dtype=np.int32)
+    arrays = {
+        "input_ids": ids,
+        "labels": np.where(rng.random(tokens) < 0.5, ids, -100).astype(np.int32),
+        "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        "full_lengths": lengths.astype(np.int64),
+        "source_ids": np.zeros(len(lengths), np.int32),
+        "origins": np.zeros(0, np.uint8),
+        "origin_offsets": np.zeros(len(lengths) + 1, np.int64),
+    }
+    shutil.rmtree(folder, ignore_errors=True)
+    SampleStore(arrays, ["bench"]).save(folder)
+    listed = file_checksums(folder)
+    mb = sum(size for size, _ in listed.values()) / 1e6
+    data = b"".join((folder / name).read_bytes() for name in listed)
+    rows = [
+        ("CRC-32, written (file_checksums)", best_of(lambda: file_checksums(folder))),
+        ("CRC-32, checked on open (check_files)", best_of(lambda: check_files(folder, listed))),
+        ("SHA-256 of the same bytes", best_of(lambda: hashlib.sha256(data).digest())),
+        ("BLAKE2b of the same bytes", best_of(lambda: hashlib.blake2b(data).digest())),
+    ]
+    print(f"| {mb:.0f} MB store (page cache warm) | seconds | MB/s |")
+    print("|---|---:|---:|")
+    for label, seconds in rows:
+        print(f"| {label} | {seconds:.3f} | {mb / seconds:,.0f} |")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--conversations", type=int, default=100_000)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/lit-instruct-data-setup"))
+    parser.add_argument("--case", choices=("setup", "checksum"), default="setup")
     args = parser.parse_args()
+    if args.case == "checksum":
+        checksum_case(args.dir / "checksum-store")
+        return
     rows = []
     for n in (args.conversations // 10, args.conversations):
         path = args.dir / f"chats-{n}.jsonl"

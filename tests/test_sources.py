@@ -186,6 +186,87 @@ def test_a_second_setup_tokenizes_nothing_and_gives_the_same_samples(
     assert not setup_data(tiny_model_dir, tmp_path / "cache", train_files=[str(chat_file)]).prepared.cached
 
 
+def _damage(path: Path, how: str) -> None:
+    """One byte of the array's data flipped (same size), the file cut short, or the file removed."""
+    data = bytearray(path.read_bytes())
+    if how == "one byte":
+        data[-3] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif how == "truncated":
+        path.write_bytes(bytes(data[:-8]))
+    elif how == "missing":
+        path.unlink()
+    else:  # a digit of the counts changed in place: the counts reported would be wrong
+        path.write_text(path.read_text().replace('"samples": 4', '"samples": 5', 1))
+
+
+@pytest.mark.parametrize(
+    ("file", "how"),
+    [
+        ("train/input_ids.npy", "one byte"),
+        ("train/labels.npy", "truncated"),
+        ("val/offsets.npy", "missing"),
+        ("meta.json", "one digit"),
+    ],
+)
+def test_item8_a_damaged_cache_is_rebuilt_with_one_log_line(
+    tiny_model_dir, chat_file, tmp_path, caplog, file, how
+) -> None:
+    """A cached array or the cache's metadata changed in place, cut short or removed: the next setup
+    says which file in one log line, rebuilds the cache, and trains on what a fresh build gives; the
+    repaired cache is then memory-mapped again."""
+    import logging
+
+    kwargs = dict(train_files=[str(chat_file)], val_fraction=0.3)
+    fresh = setup_data(tiny_model_dir, tmp_path / "fresh", **kwargs)
+    first = setup_data(tiny_model_dir, tmp_path / "cache", **kwargs)
+    assert first.counts["train"]["samples"] == 4  # what the one-digit damage changes
+    path = first.prepared.folder / file
+    _damage(path, how)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        again = setup_data(tiny_model_dir, tmp_path / "cache", **kwargs)
+    damaged = [r.getMessage() for r in caplog.records if "cache is damaged" in r.getMessage()]
+    assert len(damaged) == 1 and str(path) in damaged[0], damaged
+    assert not again.prepared.cached
+    for data in (again, setup_data(tiny_model_dir, tmp_path / "cache", **kwargs)):
+        stores_equal(data.train_samples, fresh.train_samples)
+        stores_equal(data.val_samples, fresh.val_samples)
+        assert data.counts == fresh.counts
+    assert data.prepared.cached  # the repaired folder, memory-mapped
+
+
+def _prepare_in_child(args: tuple) -> list[tuple[list[int], list[int]]]:
+    """``prepare`` in a forked process: the training samples' ids and labels."""
+    from lit_instruct.data.prepare import prepare
+
+    sources, tokenizer, settings, cache = args
+    prepared = prepare(sources, [], tokenizer, settings, cache_dir=cache)
+    return [(sample.input_ids, sample.labels) for sample in prepared.train]
+
+
+def test_item8_ranks_opening_a_damaged_cache_at_once_each_get_a_fresh_build(
+    tokenizer, chat_file, tmp_path
+) -> None:
+    """Several processes (DDP ranks, nodes) that find the same damaged cache at once each end with
+    the samples of a fresh build, and leave one sound cache folder behind (no staging folder)."""
+    import multiprocessing
+
+    from lit_instruct.data.prepare import DataSettings, prepare
+
+    sources, settings = [DataSource(str(chat_file))], DataSettings(val_fraction=0.0)
+    fresh = prepare(sources, [], tokenizer, settings)
+    cache = tmp_path / "cache"
+    built = prepare(sources, [], tokenizer, settings, cache_dir=cache)
+    _damage(built.folder / "train" / "labels.npy", "one byte")
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        results = pool.map(_prepare_in_child, [(sources, tokenizer, settings, cache)] * 3)
+    assert all(result == [(s.input_ids, s.labels) for s in fresh.train] for result in results)
+    assert [p.name for p in cache.iterdir()] == [built.folder.name]
+    again = prepare(sources, [], tokenizer, settings, cache_dir=cache)
+    assert again.cached and list(again.train) == list(fresh.train)
+
+
 def test_skipped_records_survive_the_cache(tiny_model_dir, chat_file, tmp_path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text(chat_file.read_text() + '{"messages": 3}\n')

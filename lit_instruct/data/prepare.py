@@ -7,15 +7,21 @@ validation sources are given, then render and tokenize (:mod:`lit_instruct.data.
 
 The result is cached in ``<cache_dir>/<key>/`` where the key digests the sources' contents and
 settings, the tokenizer, every chat template and the data settings: a second run with the same
-inputs memory-maps the stores instead of reading and tokenizing again.
+inputs memory-maps the stores instead of reading and tokenizing again. ``meta.json`` lists every
+file's size and CRC-32 and carries its own; a cache folder that differs (a flipped byte, a cut or
+missing file) is set aside and rebuilt, with one log line naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import random
+import shutil
 import warnings
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,11 +31,12 @@ from typing import Any, TypeVar
 from lit_instruct.data.records import Record
 from lit_instruct.data.render import ChatRenderer, MultiTurn, TrainOn
 from lit_instruct.data.sources import DataSource, fingerprint, read_source
-from lit_instruct.data.store import SampleStore
+from lit_instruct.data.store import SampleStore, StoreDamaged, check_files, file_checksums
 from lit_instruct.data.tokenize import TokenizeSettings, tokenize
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 
-CACHE_FORMAT = 1  # bump when what a cached store holds, or how it is made, changes
+CACHE_FORMAT = 2  # bump when what a cached store holds, or how it is made, changes
+logger = logging.getLogger("lit_instruct")
 
 
 @dataclass(frozen=True)
@@ -189,8 +196,12 @@ def prepare(
     folder = None
     if cache_dir is not None:
         folder = cache_dir / cache_key(train_sources, val_sources, tokenizer, settings, vocab_size)
-        if (folder / "meta.json").exists():
-            return _load(folder)
+        if folder.exists():
+            try:
+                return _load(folder)
+            except StoreDamaged as damage:
+                logger.warning(f"lit-instruct data: the cache is damaged ({damage}): rebuilding it")
+                _set_aside(folder)
     counts: dict[str, dict[str, Counter[str]]] = {"train": {}, "val": {}}
     rejects = Rejects(settings.on_bad_record)
     train_records = _read(train_sources, "train", rejects, counts)
@@ -232,27 +243,75 @@ def prepare(
     return prepared
 
 
+def _meta_checksum(meta: dict[str, Any]) -> int:
+    """The CRC-32 of ``meta`` (its ``crc32`` left out) as canonical JSON."""
+    body = {key: value for key, value in meta.items() if key != "crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, ensure_ascii=False).encode())
+
+
 def _save(prepared: PreparedData, folder: Path) -> None:
+    """Write the stores, then ``meta.json`` (counts, rejects, every file's size and CRC-32, its own
+    CRC-32), as one folder that appears whole."""
     from lit_instruct.io import atomic_directory
 
     with atomic_directory(folder, replace=False) as staging:  # another rank or node may be first
         prepared.train.save(staging / "train")
         prepared.val.save(staging / "val")
-        meta = {"counts": prepared.counts, "rejects": prepared.rejects}
+        meta: dict[str, Any] = {
+            "counts": prepared.counts,
+            "rejects": prepared.rejects,
+            "files": file_checksums(staging),
+        }
+        meta["crc32"] = _meta_checksum(meta)
         (staging / "meta.json").write_text(json.dumps(meta, ensure_ascii=False))
 
 
+def _read_meta(folder: Path) -> dict[str, Any]:
+    """``meta.json``, checked against its own CRC-32.
+
+    Raises:
+        StoreDamaged: when it is missing, unreadable or changed.
+    """
+    path = folder / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as error:
+        raise StoreDamaged(path, "missing") from error
+    except (OSError, ValueError) as error:
+        raise StoreDamaged(path, f"unreadable ({error})") from error
+    if not isinstance(meta, dict) or meta.get("crc32") != _meta_checksum(meta):
+        raise StoreDamaged(path, "its contents changed since it was written (CRC-32 differs)")
+    return meta
+
+
 def _load(folder: Path) -> PreparedData:
-    meta = json.loads((folder / "meta.json").read_text())
+    """The cached stores, memory-mapped once every file is checked.
+
+    Raises:
+        StoreDamaged: naming the first file that is not as written.
+    """
+    meta = _read_meta(folder)
+    check_files(folder, meta["files"])
     counts = {
         split: {name: Counter(c) for name, c in by_source.items()}
         for split, by_source in meta["counts"].items()
     }
-    return PreparedData(
-        SampleStore.load(folder / "train"),
-        SampleStore.load(folder / "val"),
-        counts,
-        meta["rejects"],
-        cached=True,
-        folder=folder,
-    )
+    try:
+        train, val = SampleStore.load(folder / "train"), SampleStore.load(folder / "val")
+    except (OSError, ValueError) as error:  # set aside by another process while being read
+        raise StoreDamaged(folder, f"unreadable ({error})") from error
+    return PreparedData(train, val, counts, meta["rejects"], cached=True, folder=folder)
+
+
+def _set_aside(folder: Path) -> None:
+    """Move a damaged cache folder out of the way (one rename: processes that found it damaged at
+    once set it aside once) and delete it; maps of its files stay valid until closed."""
+    from lit_instruct.io import staging_prefix
+
+    aside = folder.with_name(f"{staging_prefix(folder)}{os.getpid()}-damaged")
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        folder.rename(aside)
+    except OSError:  # gone already (another process set it aside), or not ours to move
+        return
+    shutil.rmtree(aside, ignore_errors=True)

@@ -4,11 +4,18 @@ A :class:`SampleStore` holds every sample's token ids and labels end to end (int
 boundaries, lengths before truncation, the index of the source each came from, and each sample's
 origin (``file:line``) as UTF-8 bytes. Loaded from disk, the arrays are memory-mapped: a corpus of
 millions of samples costs no Python objects until a batch asks for its samples.
+
+Saved files are checked when opened: :func:`file_checksums` lists each file's size and CRC-32 when
+it is written, :func:`check_files` refuses a file that is missing, of another size or whose bytes
+changed (:class:`StoreDamaged`, naming it). CRC-32 reads at memory speed (``benchmarks/data_setup.py``
+times it), so every byte is checked: a flipped byte is found, not only a cut file.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -18,6 +25,47 @@ import numpy as np
 from lit_instruct.data.render import Sample
 
 ARRAYS = ("input_ids", "labels", "offsets", "full_lengths", "source_ids", "origins", "origin_offsets")
+
+
+class StoreDamaged(OSError):
+    """A saved file that is not as it was written: ``path`` and why."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+
+
+def crc32_of(path: Path) -> int:
+    """The CRC-32 of a file's bytes (memory-mapped: read once, at memory speed)."""
+    with path.open("rb") as handle:
+        if not path.stat().st_size:
+            return zlib.crc32(b"")
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            return zlib.crc32(view)
+
+
+def file_checksums(folder: Path) -> dict[str, list[int]]:
+    """Every file under ``folder`` (its path relative to it) -> its size and CRC-32."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return {p.relative_to(folder).as_posix(): [p.stat().st_size, crc32_of(p)] for p in files}
+
+
+def check_files(folder: Path, listed: dict[str, list[int]]) -> None:
+    """Each file :func:`file_checksums` listed is there, of its size, with its CRC-32 (sizes first:
+    a missing or cut file is found before any byte is read).
+
+    Raises:
+        StoreDamaged: naming the first file that differs.
+    """
+    for name, (size, _) in listed.items():
+        path = folder / name
+        if not path.is_file():
+            raise StoreDamaged(path, "missing")
+        if path.stat().st_size != size:
+            raise StoreDamaged(path, f"{path.stat().st_size} bytes, {size} were written")
+    for name, (_, crc) in listed.items():
+        if crc32_of(folder / name) != crc:
+            raise StoreDamaged(folder / name, "its bytes changed since it was written (CRC-32 differs)")
 
 
 class SampleStore(Sequence[Sample]):
@@ -71,6 +119,8 @@ class SampleStore(Sequence[Sample]):
         return cls({name: joined(name) for name in ARRAYS}, names)
 
     def save(self, folder: Path) -> None:
+        """The arrays as ``.npy`` files and the source names in ``folder`` (checked when opened
+        through :func:`file_checksums`, by whoever writes the folder)."""
         folder.mkdir(parents=True, exist_ok=True)
         for name in ARRAYS:
             np.save(folder / f"{name}.npy", self.arrays[name])
