@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import signal
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -136,6 +137,22 @@ def preference_requested(args: list[str] | Mapping[str, Any] | None) -> bool:
     return False
 
 
+def check_fresh_log_dir(config: Mapping[str, Any]) -> None:
+    """A fresh fit without a logger writes ``config.yaml`` into the root folder itself: refuse a root
+    an earlier run wrote into (Lightning would stop there, after the model loaded, with a traceback)."""
+    trainer = config.get("trainer") or {}
+    if trainer.get("logger") not in (False, []):
+        return
+    root = Path(trainer.get("default_root_dir") or ".")
+    if (root / "config.yaml").is_file():
+        raise ConfigError(
+            "trainer.default_root_dir",
+            f"{str(root)!r} holds an earlier run's config.yaml, and with trainer.logger: false a run writes "
+            "into the root itself: name a new folder, resume with --ckpt_path last, or keep a logger "
+            "(each run then gets its own version_N)",
+        )
+
+
 class InstructCLI(LightningCLI):
     """LightningCLI for instruction tuning: the datamodule's tokenizer follows ``model.model``, and
     the model is built for packed rows when ``data.packing`` is on.
@@ -181,6 +198,10 @@ class InstructCLI(LightningCLI):
         self.resolve_auto()
         self.follow_root_dir()
         config = self.parsed()
+        if config.get("ckpt_path") is not None:  # a resume writes into its run's folder again
+            self.save_config_kwargs["overwrite"] = True
+        elif self.subcommand == "fit":
+            check_fresh_log_dir(config.as_dict())
         if config.get("ckpt_path") == "last":
             config["ckpt_path"] = resolve_last(config.as_dict())
         self.model_plan = check_config(self.subcommand_config())
@@ -623,6 +644,42 @@ def _added_tokens(data: InstructDataModule) -> list[str]:
     return data.new_token_list()
 
 
+def in_chain(error: BaseException, wanted: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first exception of ``error``'s chain (it, its causes and contexts) that is ``wanted``."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if wanted(current):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def one_line_failure(error: BaseException) -> tuple[str, int] | None:
+    """The one line and exit status for a failure the user can act on without a traceback, wherever
+    it was raised: a full disk or quota (naming the file; 1), a chat template doing what Jinja's
+    sandbox forbids (2, as a mistaken setting)."""
+    from jinja2.exceptions import SecurityError
+
+    full = in_chain(error, lambda e: isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+    if isinstance(full, OSError):
+        where = f" writing {full.filename}" if full.filename else ""
+        line = (
+            f"disk full: {full.strerror}{where}; free space there (or write elsewhere: "
+            "trainer.default_root_dir, model.adapter_dir, --out), then resume with --ckpt_path last"
+        )
+        return line, 1
+    unsafe = in_chain(error, lambda e: isinstance(e, SecurityError))
+    if unsafe is not None:
+        line = (
+            f"template error: the chat template does what Jinja's sandbox forbids ({unsafe}); a chat "
+            "template renders the messages it is given, nothing else (--chat-template, data.chat_template)"
+        )
+        return line, 2
+    return None
+
+
 DEBUG_ENV = "LIT_INSTRUCT_DEBUG"
 """Set (to anything but ``0`` or empty), a user's mistake shows its traceback too, as ``--debug`` does."""
 
@@ -662,3 +719,9 @@ def main(argv: list[str] | None = None) -> None:
         kind = next(name for cls, name in kinds.items() if isinstance(error, cls))
         sys.stderr.write(f"lit-instruct: {kind} error: {error}\n")
         raise SystemExit(2) from None
+    except Exception as error:
+        failure = one_line_failure(error)
+        if failure is None or debug:
+            raise
+        sys.stderr.write(f"lit-instruct: {failure[0]}\n")
+        raise SystemExit(failure[1]) from None

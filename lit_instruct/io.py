@@ -24,6 +24,17 @@ OUTPUT_MARKER = ".lit-instruct"
 user's, and is never replaced."""
 
 
+@contextmanager
+def named_on_failure(path: str | Path) -> Iterator[None]:
+    """An ``OSError`` raised inside without a file name (a full disk on ``close``) names ``path``."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None and error.errno is not None:
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
+
+
 def check_replaceable(target: str | Path, setting: str) -> None:
     """Refuse ``target`` as a folder to write whole when it holds anything lit-instruct did not write
     there: a non-empty folder without :data:`OUTPUT_MARKER` (its files would be deleted), or a file.
@@ -65,7 +76,8 @@ def atomic_directory(target: str | Path, replace: bool = True, setting: str | No
     remove_leftovers(target)
     staging = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(target)}{os.getpid()}-", dir=target.parent))
     try:
-        yield staging
+        with named_on_failure(target):
+            yield staging
         if setting is not None:
             (staging / OUTPUT_MARKER).write_text(
                 json.dumps({"written_by": "lit-instruct", "what": setting}) + "\n", encoding="utf-8"
@@ -180,7 +192,7 @@ def write_atomically(path: str | Path, text: str) -> None:
     remove_leftovers(target)
     handle, temporary = tempfile.mkstemp(dir=target.parent, prefix=f"{staging_prefix(target)}{os.getpid()}.")
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
+        with named_on_failure(target), os.fdopen(handle, "w", encoding="utf-8") as out:
             out.write(text)
             out.flush()
             os.fsync(out.fileno())

@@ -99,6 +99,43 @@ def resolve_chat_template(tokenizer: Any, override: str | None = None) -> str:
     return template
 
 
+def check_sandboxed(template: str, setting: str) -> str:
+    """``template``, rendered once on a plain conversation in the sandbox ``transformers`` renders it
+    in: one that reaches for what the sandbox forbids (``__class__``, ``__globals__``...) is refused
+    before anything loads. Other failures (a template's own ``raise_exception``) are left to rendering.
+
+    Raises:
+        ConfigError: naming ``setting`` and the sandbox's complaint.
+    """
+    from jinja2.exceptions import SecurityError, TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        compiled = _compile_jinja_template(template)
+        for messages in (SANDBOX_PROBE, SANDBOX_PROBE[1:]):
+            compiled.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+    except SecurityError as unsafe:
+        raise ConfigError(
+            setting, f"the template does what Jinja's sandbox forbids ({unsafe}); it renders messages only"
+        ) from None
+    except TemplateSyntaxError as broken:
+        raise ConfigError(
+            setting, f"the template is no valid Jinja: line {broken.lineno}: {broken}"
+        ) from None
+    except Exception:  # the template's own refusal of the probe: rendering reports it
+        pass
+    return template
+
+
+SANDBOX_PROBE = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi"},
+    {"role": "user", "content": "Bye"},
+]
+"""A plain conversation the sandbox check renders (without its system turn as well)."""
+
+
 def template_text(value: str | None, setting: str = "data.chat_template") -> str | None:
     """A chat template setting as the renderers take it: Jinja text and built-in names as they are,
     a file's path as the file's text.
@@ -106,11 +143,13 @@ def template_text(value: str | None, setting: str = "data.chat_template") -> str
     Raises:
         ConfigError: ``value`` is neither Jinja (no ``{{`` or ``{%``), nor a built-in name, nor a file.
     """
-    if value is None or value in BUILTIN_TEMPLATES or "{{" in value or "{%" in value:
+    if value is None or value in BUILTIN_TEMPLATES:
         return value
+    if "{{" in value or "{%" in value:
+        return check_sandboxed(value, setting)
     path = Path(value).expanduser()
     if len(value) < 4096 and path.is_file():
-        return path.read_text(encoding="utf-8")
+        return check_sandboxed(path.read_text(encoding="utf-8"), f"{setting} ({path})")
     raise ConfigError(
         setting,
         f"{value!r} is no file, no Jinja template (it has no {{{{ or {{%) and no built-in template "

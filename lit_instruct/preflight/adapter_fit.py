@@ -4,6 +4,8 @@ every saved LoRA tensor a place of the same shape."""
 
 from __future__ import annotations
 
+import json
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,36 @@ def check_adapter_folder(adapter: str, setting: str = "model.adapter") -> Path:
         raise ConfigError(
             setting, f"{adapter!r} is a {kind or 'unknown'} adapter, not LoRA: LoRA adapters continue"
         )
+    damage = safetensors_damage(folder / ADAPTER_WEIGHTS)
+    if damage is not None:
+        raise ConfigError(setting, f"{folder / ADAPTER_WEIGHTS} {damage}; write or copy the adapter again")
     return folder
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """What is wrong with a safetensors file's framing (a truncated or cut-off file, a header that is
+    no JSON, tensors past its end), read from its header and size alone; ``None`` when whole."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"is {size} bytes: too short for a safetensors file (truncated)"
+        length = struct.unpack("<Q", prefix)[0]
+        if 8 + length > size:
+            return f"is truncated: its header says {8 + length} bytes of header, the file has {size}"
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            return "has a header that is no JSON (not a safetensors file, or damaged)"
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets", [])) == 2
+    ]
+    expected = 8 + length + max(ends, default=0)
+    if size < expected:
+        return f"is truncated: {size} bytes where its tensors need {expected}"
+    return None
 
 
 def adapter_on_skeleton(adapter: str, skeleton: nn.Module, model: str) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lit_instruct.io import check_archive, remove_leftovers, staging_prefix, sync_folder
+from lit_instruct.io import check_archive, named_on_failure, remove_leftovers, staging_prefix, sync_folder
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -33,7 +33,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         remove_leftovers(path)
         temporary = path.with_name(f"{staging_prefix(path)}{os.getpid()}.tmp")
         try:
-            with open(temporary, "wb") as f:
+            with named_on_failure(path), open(temporary, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
