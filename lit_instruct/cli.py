@@ -378,7 +378,7 @@ def inspect_main(argv: list[str]) -> None:
     """``lit-instruct inspect --config X.yaml [--samples N] [--html report.html]``: read, render and
     check the data exactly as ``fit`` would (the same cache), without loading the model's weights;
     print per source the counts, token lengths and samples with the trained tokens marked. Exit 1
-    when records were skipped as bad, 2 on a data error."""
+    when records were skipped as bad or no training sample survives, 2 on a data error."""
     from lit_instruct.data.report import html_page, source_reports, terminal_text
     from lit_instruct.io import write_atomically
 
@@ -419,6 +419,9 @@ def inspect_main(argv: list[str]) -> None:
         sys.stderr.write(
             f"lit-instruct: {len(prepared.rejects)} records skipped as bad (see the counts above)\n"
         )
+        raise SystemExit(1)
+    if len(train) == 0:  # fit would train on nothing
+        sys.stderr.write("lit-instruct: no training sample survives (see the counts above)\n")
         raise SystemExit(1)
 
 

@@ -221,6 +221,17 @@ def test_no_validation_section_without_validation_data(tiny_model_dir, chat_file
     assert "== val" not in capsys.readouterr().out
 
 
+def test_item13_inspect_exits_1_when_no_training_sample_survives(tiny_model_dir, chat_file, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:  # every answer truncated away
+        main(args_for(tiny_model_dir, chat_file, "--data.max_seq_len", "4", "--data.val_fraction", "0"))
+    assert stop.value.code == 1
+    captured = capsys.readouterr()
+    assert "dropped_no_response_after_truncation=" in captured.out
+    assert captured.err.strip().splitlines()[-1] == (
+        "lit-instruct: no training sample survives (see the counts above)"
+    )
+
+
 def grey(pixels: np.ndarray) -> np.ndarray:
     """Where ``pixels`` (rows x columns x RGB) are text drawn over the tint: darker than it, and not
     the outline's green."""
