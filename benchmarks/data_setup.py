@@ -9,8 +9,13 @@ empty cache), and the second setup (a cache hit, memory-mapped), for N and for N
 ``--case checksum`` times what checking a cache on open costs: the CRC-32 of every file of a
 200 MB store (as the cache writes and checks it), against SHA-256 and BLAKE2b of the same bytes.
 
+``--case long_line`` sets up 1,000 conversations and one line of 50 MB (a user turn, whose answer
+truncation cuts away, or an answer, cut short), max_seq_len 1024, and reports the time and the peak
+RSS (``ru_maxrss``) of each setup, in a fresh process.
+
     python benchmarks/data_setup.py [--conversations 100000] [--dir /tmp/lit-instruct-data-setup]
     python benchmarks/data_setup.py --case checksum
+    python benchmarks/data_setup.py --case long_line
 """
 
 from __future__ import annotations
@@ -54,6 +59,42 @@ def generate(path: Path, n: int, seed: int = 0) -> Path:
     return path
 
 
+def generate_long_line(path: Path, where: str, megabytes: int = 50) -> Path:
+    """1,000 conversations, then one whose user turn (``where="context"``) or answer is ``megabytes``
+    MB of text."""
+    generate(path, 1_000)
+    rng = random.Random(1)
+    parts: list[str] = []
+    while sum(map(len, parts)) < megabytes * 2**20:
+        parts += [sentence(rng, 5, 30) + " " for _ in range(10_000)]
+    long = "".join(parts)[: megabytes * 2**20]
+    turns = [long, "Short answer."] if where == "context" else ["Write at length.", long]
+    messages = [
+        {"role": role, "content": text} for role, text in zip(("user", "assistant"), turns, strict=True)
+    ]
+    with path.open("a") as out:
+        out.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def long_line_case(folder: Path) -> None:
+    """Setup of a file with one 50 MB line, its time and peak RSS."""
+    print("| the 50 MB line | JSONL MiB | seconds | peak RSS MiB | samples | truncated | dropped |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for where in ("context", "answer"):
+        path = folder / f"long-{where}.jsonl"
+        if not path.exists():
+            generate_long_line(path, where)
+        r = measure(path, folder / f"cache-long-{where}", 1, fresh=True)
+        counts = r["counts"]
+        dropped = sum(n for name, n in counts.items() if name.startswith("dropped_"))
+        label = "a user turn" if where == "context" else "the answer"
+        print(
+            f"| {label} | {path.stat().st_size / 2**20:.0f} | {r['seconds']:.1f} | "
+            f"{r['peak_rss_mib']:.0f} | {r['samples']:,} | {counts.get('truncated', 0)} | {dropped} |"
+        )
+
+
 def worker(path: str, cache_dir: str, num_proc: int) -> None:
     from lit_instruct.data.datamodule import InstructDataModule
 
@@ -72,6 +113,7 @@ def worker(path: str, cache_dir: str, num_proc: int) -> None:
                 "samples": len(store) + len(data.val_samples),
                 "store_mib": (store.nbytes + data.val_samples.nbytes) / 2**20,
                 "cached": data.prepared.cached if data.prepared else False,
+                "counts": dict(data.counts["train"] + data.counts["val"]),
             }
         )
     )
@@ -135,10 +177,13 @@ def main() -> None:
     )
     parser.add_argument("--conversations", type=int, default=100_000)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/lit-instruct-data-setup"))
-    parser.add_argument("--case", choices=("setup", "checksum"), default="setup")
+    parser.add_argument("--case", choices=("setup", "checksum", "long_line"), default="setup")
     args = parser.parse_args()
     if args.case == "checksum":
         checksum_case(args.dir / "checksum-store")
+        return
+    if args.case == "long_line":
+        long_line_case(args.dir)
         return
     rows = []
     for n in (args.conversations // 10, args.conversations):

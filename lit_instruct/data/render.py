@@ -37,21 +37,35 @@ from lit_instruct.templates import resolve_chat_template
 
 MultiTurn = Literal["auto", "joint", "per_turn", "last"]
 TrainOn = Literal["answers", "all"]
+CUT_CHARS_PER_TOKEN = 8
+"""A rendering of more than ``2 x (CUT_CHARS_PER_TOKEN x (max_seq_len + 1) + CUT_MARGIN_CHARS)``
+characters is tokenized in growing prefixes, never whole (:meth:`ChatRenderer._encode`)."""
+CUT_MARGIN_CHARS = 1024
+WINDOW_CHARS = 256
+"""Characters tokenized on each side of a special token's text found past the tokenized prefix."""
 
 
 @dataclass(frozen=True)
 class Sample:
-    """A tokenized conversation: ``labels[p]`` is ``input_ids[p]`` on answer tokens, else -100."""
+    """A tokenized conversation: ``labels[p]`` is ``input_ids[p]`` on answer tokens, else -100.
+    ``full_length``: its tokens before truncation; negative when the rendering was cut before it was
+    tokenized (it has more than ``-full_length`` tokens, the rest never counted)."""
 
     input_ids: list[int]
     labels: list[int]
     source: str
-    full_length: int = 0  # tokens before truncation
+    full_length: int = 0
 
     @property
     def truncated(self) -> bool:
         """Whether the rendered conversation was longer than the sample kept."""
-        return self.full_length > len(self.input_ids)
+        return self.full_length < 0 or self.full_length > len(self.input_ids)
+
+    @property
+    def length_before_truncation(self) -> str:
+        """``full_length`` as words: ``1234``, or ``more than 513`` for a rendering cut before it was
+        tokenized."""
+        return f"more than {-self.full_length}" if self.full_length < 0 else str(self.full_length)
 
     @property
     def num_targets(self) -> int:
@@ -60,23 +74,49 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class AnswerTurn:
-    """An assistant turn rendered as the model sees it: ``text`` (the conversation through the turn),
-    its tokens with their character offsets, and the ``[start, end)`` characters it must produce
-    (the answer and its end-of-turn token); ``train`` False keeps it out of the loss."""
+class Encoding:
+    """A text's tokens and their character offsets; ``complete`` False: the text's first tokens only
+    (exact: those of the whole text), more follow."""
 
-    text: str
     ids: list[int]
     offsets: list[tuple[int, int]]
+    complete: bool = True
+
+    @property
+    def full_length(self) -> int:
+        """The token count, negative when more tokens follow (:attr:`Sample.full_length`)."""
+        return len(self.ids) if self.complete else -len(self.ids)
+
+
+def stable_tokens(shorter: Encoding, longer: Encoding, before: int) -> int:
+    """How many leading tokens two prefixes of one text share (ids and offsets), all ending by
+    character ``before``."""
+    count = 0
+    for a, b, offset, other in zip(shorter.ids, longer.ids, shorter.offsets, longer.offsets, strict=False):
+        if a != b or offset != other or offset[1] > before:
+            break
+        count += 1
+    return count
+
+
+@dataclass(frozen=True)
+class AnswerTurn:
+    """An assistant turn rendered as the model sees it: ``text`` (the conversation through the turn),
+    its tokens with their character offsets (``encoding``), and the ``[start, end)`` characters it
+    must produce (the answer and its end-of-turn token); ``train`` False keeps it out of the loss."""
+
+    text: str
+    encoding: Encoding
     start: int
     end: int
     train: bool = True
 
 
-def common_prefix_length(a: str, b: str) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
+def common_prefix_length(a: str, b: str, block: int = 1 << 16) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (blocks compared whole first)."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    at = next((i for i in range(0, n, block) if a[i : i + block] != b[i : i + block]), n)
+    return next((i for i in range(at, min(at + block, n)) if a[i] != b[i]), n)
 
 
 def _refuse_dropped(record: Record, field: str, value: str, kind: str, where: str) -> None:
@@ -258,6 +298,9 @@ class ChatRenderer:
         self.special_ids = set(tokenizer.all_special_ids) | {i for i, t in decoder.items() if t.special}
         names = sorted(set(tokenizer.convert_ids_to_tokens(sorted(self.special_ids))), key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, names))) if names else None
+        self.first_cut = CUT_CHARS_PER_TOKEN * (max_seq_len + 1) + CUT_MARGIN_CHARS
+        if not self._special_tokens_found_as_written():
+            self.first_cut = 1 << 62  # where an answer ends past the cut could not be found: no cut
 
     def _render(self, record: Record, count: int, add_generation_prompt: bool = False) -> str:
         from jinja2 import TemplateError
@@ -314,18 +357,10 @@ class ChatRenderer:
             prefix = self._render(record, i, add_generation_prompt=True)
             start = common_prefix_length(prefix, through)
             self._check_context_before(record, i, start)
-            ids, offsets = self._encode(through)
-            # the answer ends with the first special token after its start (the end-of-turn marker)
-            end = next(
-                (
-                    e
-                    for token, (s, e) in zip(ids, offsets, strict=True)
-                    if s >= start and token in self.special_ids
-                ),
-                len(through),
-            )
+            encoding = self._encode(through)
+            end = self._answer_end(through, encoding, start)
             self._check_answer_shown(record, i, prefix, tag)
-            turns.append(AnswerTurn(through, ids, offsets, start, end, message.train))
+            turns.append(AnswerTurn(through, encoding, start, end, message.train))
             last = i
         if turns:
             self._check_context_shown(record, last, tag)
@@ -376,20 +411,78 @@ class ChatRenderer:
                 reason="template_moves_context",
             )
 
-    def _encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids of ``text`` and their character offsets."""
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return encoding["input_ids"], encoding["offset_mapping"]
+    def _special_tokens_found_as_written(self) -> bool:
+        """Whether every special token is matched in the text as written (not after the tokenizer's
+        normalizer), so that its text found past a cut is where the token is."""
+        if getattr(self.tokenizer.backend_tokenizer, "normalizer", None) is None:
+            return True
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {})
+        return not any(decoder[i].normalized for i in self.special_ids if i in decoder)
 
-    def _sample(
-        self, record: Record, ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
-    ) -> Sample:
+    def _tokenize(self, text: str, add_special_tokens: bool = False) -> Encoding:
+        encoding = self.tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return Encoding(encoding["input_ids"], encoding["offset_mapping"])
+
+    def _encode(self, text: str, add_special_tokens: bool = False) -> Encoding:
+        """The tokens of ``text`` with their character offsets; of a text far longer than
+        ``max_seq_len`` needs, only its first tokens (at least ``max_seq_len + 1``), so that memory
+        stays bounded whatever a record holds.
+
+        Prefixes of growing length (twice as long each time) are tokenized, and the leading tokens
+        two consecutive prefixes share, ending in the first half of the shorter one, are kept: a
+        token whose text lies that far before both cuts is not changed by them (a tokenizer splits
+        on special tokens, pre-tokenizes into words and merges within them: only the last words
+        before a cut can differ from the whole text's). A text that runs out first is tokenized
+        whole, as one shorter than the first cut always is.
+        """
+        need, cut = self.max_seq_len + 1, self.first_cut
+        if len(text) <= 2 * cut:
+            return self._tokenize(text, add_special_tokens)
+        shorter = self._tokenize(text[:cut], add_special_tokens)
+        while 2 * cut < len(text):
+            longer = self._tokenize(text[: 2 * cut], add_special_tokens)
+            kept = stable_tokens(shorter, longer, cut // 2)
+            if kept >= need:
+                return Encoding(longer.ids[:kept], longer.offsets[:kept], complete=False)
+            shorter, cut = longer, 2 * cut
+        return self._tokenize(text, add_special_tokens)
+
+    def _answer_end(self, text: str, encoding: Encoding, start: int) -> int:
+        """Where the answer starting at character ``start`` of ``text`` ends: with the first special
+        token at or after it (the end-of-turn marker), else at the end of the text."""
+        ends = (
+            e
+            for t, (s, e) in zip(encoding.ids, encoding.offsets, strict=True)
+            if s >= start and t in self.special_ids
+        )
+        found = next(ends, None)
+        if found is not None or encoding.complete:
+            return found if found is not None else len(text)
+        return self._special_end_past(text, max(start, encoding.offsets[-1][1]), start)
+
+    def _special_end_past(self, text: str, position: int, start: int) -> int:
+        """The end of the first special token at or after ``position`` of ``text``, which was cut
+        before it was tokenized: each place its text is written is tokenized with
+        :data:`WINDOW_CHARS` around it, and the first that the tokenizer reads as a special token
+        (starting at or after ``start``) is taken; none: the text's end."""
+        for match in self._special_text.finditer(text, position) if self._special_text else ():
+            left = max(0, match.start() - WINDOW_CHARS)
+            window = self._tokenize(text[left : match.end() + WINDOW_CHARS])
+            for token, (s, e) in zip(window.ids, window.offsets, strict=True):
+                if token in self.special_ids and left + s <= match.start() < left + e and left + s >= start:
+                    return left + e
+        return len(text)
+
+    def _sample(self, record: Record, encoding: Encoding, spans: list[tuple[int, int]]) -> Sample:
         """Label the tokens starting inside ``spans``, truncate to ``max_seq_len``."""
+        ids = encoding.ids
         labels = [IGNORE_INDEX] * len(ids)
-        for k, (s, _) in enumerate(offsets):
+        for k, (s, _) in enumerate(encoding.offsets):
             if any(start <= s < end for start, end in spans):
                 labels[k] = ids[k]
-        return Sample(ids[: self.max_seq_len], labels[: self.max_seq_len], record.source, len(ids))
+        return Sample(
+            ids[: self.max_seq_len], labels[: self.max_seq_len], record.source, encoding.full_length
+        )
 
     def __call__(self, record: Record) -> Sample:
         """The whole conversation as one sample, every assistant turn labelled.
@@ -412,8 +505,8 @@ class ChatRenderer:
                     reason="template_not_prefix_stable",
                 )
         last = turns[-1] if turns else None  # a prefix-stable template's last turn is the whole text
-        ids, offsets = (last.ids, last.offsets) if last and last.text == text else self._encode(text)
-        return self._sample(record, ids, offsets, [(t.start, t.end) for t in turns if t.train])
+        encoding = last.encoding if last and last.text == text else self._encode(text)
+        return self._sample(record, encoding, [(t.start, t.end) for t in turns if t.train])
 
     def samples(self, record: Record) -> tuple[list[Sample], bool]:
         """The record's samples under ``multi_turn`` and ``train_on``, and whether it was split per
@@ -436,13 +529,15 @@ class ChatRenderer:
                 if self.multi_turn == "joint" or error.reason != "template_not_prefix_stable":
                     raise
         trained = [t for t in turns if t.train]  # a context-only answer is no sample of its own
-        return [self._sample(record, t.ids, t.offsets, [(t.start, t.end)]) for t in trained], True
+        return [self._sample(record, t.encoding, [(t.start, t.end)]) for t in trained], True
 
     def _text_sample(self, record: Record) -> Sample:
         """A plain-text record, language-model style: every token trained, EOS appended."""
         assert record.text is not None
-        ids = list(self.tokenizer(record.text)["input_ids"])
+        encoding = self._encode(record.text, add_special_tokens=True)
+        ids = list(encoding.ids)
         eos = self.tokenizer.eos_token_id
-        if eos is not None and (not ids or ids[-1] != eos):
+        if encoding.complete and eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
-        return Sample(ids[: self.max_seq_len], ids[: self.max_seq_len], record.source, len(ids))
+        length = len(ids) if encoding.complete else encoding.full_length
+        return Sample(ids[: self.max_seq_len], ids[: self.max_seq_len], record.source, length)

@@ -41,7 +41,7 @@ def trained_count(sample: Sample) -> int:
 
 def sample_heading(sample: Sample) -> str:
     """Where ``sample`` came from (``file:line``) and its token counts, as both reports head it."""
-    truncated = f", truncated from {sample.full_length}" if sample.truncated else ""
+    truncated = f", truncated from {sample.length_before_truncation}" if sample.truncated else ""
     return f"{sample.source}, {len(sample.input_ids)} tokens, {trained_count(sample)} trained{truncated}"
 
 
@@ -195,7 +195,9 @@ def _histogram(lengths: np.ndarray, width: int = 480, height: int = 100, bins: i
 def _card_header(number: int, sample: Sample) -> str:
     """A sample card's header: its number, where it came from (``file:line``) and its token counts."""
     truncated = (
-        f' <span class="truncated">(truncated from {sample.full_length})</span>' if sample.truncated else ""
+        f' <span class="truncated">(truncated from {sample.length_before_truncation})</span>'
+        if sample.truncated
+        else ""
     )
     return (
         f'<header>sample {number} · <span class="origin">{html.escape(sample.source)}</span> · '

@@ -84,7 +84,7 @@ def build_samples(
                 if sample.truncated and on_long_sample == "raise":
                     raise DataError(
                         record.source,
-                        f"the sample has {sample.full_length} tokens, more than "
+                        f"the sample has {sample.length_before_truncation} tokens, more than "
                         f"max_seq_len={renderer.max_seq_len}",
                         reason="too_long",
                     )
