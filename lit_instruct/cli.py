@@ -34,10 +34,11 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.io import check_replaceable
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
-from lit_instruct.preflight import check_config
+from lit_instruct.preflight import check_config, check_trains_something
 from lit_instruct.preflight.resume import resolve_last
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
+from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.module import InstructLoRAModule
 from lit_instruct.train.preference_module import PreferenceLoRAModule
 from lit_instruct.train.trainer import InstructTrainer
@@ -200,8 +201,10 @@ class InstructCLI(LightningCLI):
         config = self.parsed()
         if config.get("ckpt_path") is not None:  # a resume writes into its run's folder again
             self.save_config_kwargs["overwrite"] = True
-        elif self.subcommand == "fit":
+        elif self.subcommand != "validate":  # fit, or check (which parses fit's command line)
             check_fresh_log_dir(config.as_dict())
+        if self.subcommand != "validate":
+            check_trains_something(config.as_dict().get("trainer") or {})
         if config.get("ckpt_path") == "last":
             config["ckpt_path"] = resolve_last(config.as_dict())
         self.model_plan = check_config(self.subcommand_config())
@@ -266,6 +269,9 @@ class InstructCLI(LightningCLI):
             checked = self.data_module()
             if not checked.streaming:
                 checked.prepared = checked.prepare_samples()
+                nothing = checked.nothing_to_train()
+                if nothing is not None:  # before the model loads
+                    raise nothing
         super().instantiate_classes()
         if checked is not None and checked.hparams == self.datamodule.hparams:
             self.datamodule.tokenizer, self.datamodule.prepared = checked.tokenizer, checked.prepared
@@ -310,6 +316,13 @@ class InstructCLI(LightningCLI):
         interrupt = next(cb for cb in callbacks if isinstance(cb, GracefulInterrupt))
         if interrupt.interrupted:  # the checkpoint and the adapter are saved; say it was interrupted
             raise SystemExit(128 + (interrupt.signal_number or signal.SIGINT))
+        report = next((cb for cb in callbacks if isinstance(cb, FitReport)), None)
+        if report is not None and report.steps == 0 and not self.trainer.interrupted:
+            rank_zero_info(  # a run that trained nothing is no success (a restart wrapper must not read one)
+                f"lit-instruct: the fit took no optimizer step (global step {self.trainer.global_step}, "
+                f"trainer.max_steps {self.trainer.max_steps}, trainer.max_epochs {self.trainer.max_epochs})"
+            )
+            raise SystemExit(2)
         if self.trainer.interrupted or not self.before:
             return
         if self.model.last_val_step != self.trainer.global_step:
@@ -378,7 +391,8 @@ def inspect_main(argv: list[str]) -> None:
     """``lit-instruct inspect --config X.yaml [--samples N] [--html report.html]``: read, render and
     check the data exactly as ``fit`` would (the same cache), without loading the model's weights;
     print per source the counts, token lengths and samples with the trained tokens marked. Exit 1
-    when records were skipped as bad or no training sample survives, 2 on a data error."""
+    when records were skipped as bad, 2 on a data error or when no training sample is left (as fit
+    would refuse it)."""
     from lit_instruct.data.report import html_page, source_reports, terminal_text
     from lit_instruct.io import write_atomically
 
@@ -399,11 +413,10 @@ def inspect_main(argv: list[str]) -> None:
     with warnings.catch_warnings():  # Lightning warns when args are given while sys.argv has some
         warnings.filterwarnings("ignore", "LightningCLI's args parameter")
         data = DataOnlyCLI(args=rest, run=False).datamodule
-    prepared = data.prepare_samples()
+    prepared = data.prepared = data.prepare_samples()
     tokenizer = data.load_tokenizer()
     train, val, shown = prepared.train, prepared.val, args.samples
     if isinstance(data, PreferenceDataModule):  # each pair as two samples: its chosen, then its rejected
-        data.prepared = prepared
         train, val, shown = data.pairs("train").samples(), data.pairs("val").samples(), 2 * shown
     reports = [
         *source_reports("train", train, prepared.counts["train"], shown),
@@ -415,13 +428,13 @@ def inspect_main(argv: list[str]) -> None:
             args.html, html_page(reports, tokenizer, f"lit-instruct inspect: {data.tokenizer_name}")
         )
         sys.stdout.write(f"lit-instruct: report written to {args.html}\n")
+    nothing = None if data.streaming else data.nothing_to_train()
+    if nothing is not None:  # fit would refuse it: the same line, after the counts that tell why
+        raise nothing
     if prepared.rejects:
         sys.stderr.write(
             f"lit-instruct: {len(prepared.rejects)} records skipped as bad (see the counts above)\n"
         )
-        raise SystemExit(1)
-    if len(train) == 0:  # fit would train on nothing
-        sys.stderr.write("lit-instruct: no training sample survives (see the counts above)\n")
         raise SystemExit(1)
 
 

@@ -221,14 +221,16 @@ def test_no_validation_section_without_validation_data(tiny_model_dir, chat_file
     assert "== val" not in capsys.readouterr().out
 
 
-def test_item13_inspect_exits_1_when_no_training_sample_survives(tiny_model_dir, chat_file, capsys) -> None:
+def test_item13_inspect_exits_2_when_no_training_sample_survives(tiny_model_dir, chat_file, capsys) -> None:
     with pytest.raises(SystemExit) as stop:  # every answer truncated away
         main(args_for(tiny_model_dir, chat_file, "--data.max_seq_len", "4", "--data.val_fraction", "0"))
-    assert stop.value.code == 1
+    assert stop.value.code == 2  # as fit and check refuse it
     captured = capsys.readouterr()
-    assert "dropped_no_response_after_truncation=" in captured.out
-    assert captured.err.strip().splitlines()[-1] == (
-        "lit-instruct: no training sample survives (see the counts above)"
+    assert "dropped_no_response_after_truncation=" in captured.out  # the counts that tell why, first
+    assert (
+        captured.err.strip()
+        .splitlines()[-1]
+        .startswith("lit-instruct: config error: data.max_seq_len: 4: every response truncated away")
     )
 
 

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.even_shards import EvenShards, UncountedPadding
+from lit_instruct.data.nothing_to_train import no_training_sample
 from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
 from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
@@ -300,8 +301,17 @@ class InstructDataModule(L.LightningDataModule):
         self._write_rejects(prepared.rejects)  # the same on every rank: each prepared the same data
         if self.streaming:
             rank_zero_info("lit-instruct data [train]: streamed (read and rendered while training)")
-        elif not len(prepared.train) and stage in ("fit", None):
-            raise ValueError(f"no training sample has a response token left: {dict(self.counts['train'])}")
+        elif stage in ("fit", None) and (nothing := self.nothing_to_train()) is not None:
+            raise nothing
+
+    def nothing_to_train(self) -> ConfigError | None:
+        """Why the prepared training data holds no sample, as the error to raise (``None``: it holds
+        some, or it is streamed): a fit that would train nothing is refused, never a success."""
+        prepared = self._prepared()
+        if self.streaming or len(prepared.train):
+            return None
+        sources = [source.path for source in self.sources]
+        return no_training_sample(prepared.totals("train"), sources, self.settings.max_seq_len)
 
     def training_chat_template(self) -> str | None:
         """The chat template the training sources are rendered with, when they share one (``None``

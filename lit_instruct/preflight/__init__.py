@@ -140,6 +140,18 @@ SPECIAL_CHECKPOINTS = ("best", "hpc", "registry")
 """``ckpt_path`` values Lightning resolves itself (``last`` is resolved when the config is read)."""
 
 
+def check_trains_something(trainer: Mapping[str, Any]) -> None:
+    """A Trainer setting that leaves no optimizer step (``max_steps: 0``, ``max_epochs: 0``,
+    ``limit_train_batches: 0``) is refused: a run that trains nothing is no success."""
+    for setting in ("max_steps", "max_epochs", "limit_train_batches"):
+        value = trainer.get(setting)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value == 0:
+            raise ConfigError(
+                f"trainer.{setting}",
+                f"{value} trains nothing; give a positive number (max_steps -1 and max_epochs -1: no limit)",
+            )
+
+
 def check_adapter_dir(adapter_dir: str, run_folders: list[Path]) -> None:
     """``model.adapter_dir`` is written whole at the end: it must hold nothing but an adapter of
     ours, and none of the folders the run writes its checkpoints and logs into."""

@@ -46,6 +46,8 @@ class FitTotals:
     response_tokens: int
     best_val_loss: float | None
     best_val_step: int | None  # as the loggers show it (:func:`logged_step`)
+    steps: int = -1
+    """Optimizer steps this fit took (a resumed one: since the resume); -1 when not counted."""
 
 
 def _duration(seconds: float) -> str:
@@ -56,8 +58,17 @@ def _duration(seconds: float) -> str:
 
 def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> str:
     """Steps, tokens, wall time, best val/loss and its checkpoint, the adapter and how to try it."""
+    if totals.steps == 0:  # nothing trained: no adapter to try
+        lines = [f"lit-instruct: fit done in {_duration(totals.seconds)}: it took no optimizer step"]
+        if adapter is not None:
+            lines.append(f"  adapter (untrained in this fit): {adapter}")
+        return "\n".join(lines)
+    resumed = totals.steps >= 0 and totals.steps != trainer.global_step
+    steps = f"{trainer.global_step} optimizer steps" + (
+        f" ({totals.steps} since the resume)" if resumed else ""
+    )
     lines = [
-        f"lit-instruct: fit done in {_duration(totals.seconds)}: {trainer.global_step} optimizer steps, "
+        f"lit-instruct: fit done in {_duration(totals.seconds)}: {steps}, "
         f"{totals.tokens:,} tokens ({totals.response_tokens:,} response tokens) "
         f"({totals.tokens / max(totals.seconds, 1e-9):.0f} tokens/s over the whole fit)"
     ]
@@ -122,10 +133,18 @@ class FitReport(L.Callback):
     def __init__(self) -> None:
         self._started = 0.0
         self.best_val: tuple[float, int] | None = None  # (val/loss, step)
+        self.first_step = -1  # until training starts (it never does where max_steps is reached already)
+        self.steps = 0
+        """Optimizer steps the last fit took (since its resume)."""
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.first_step = trainer.global_step  # a resumed fit's checkpoint is restored by now
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = time.perf_counter()
+        self.first_step = -1
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         total = sum(p.numel() for p in pl_module.parameters())
         base = parameter_bytes(getattr(pl_module, "model", pl_module))
@@ -156,7 +175,10 @@ class FitReport(L.Callback):
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit" or not trainer.is_global_zero:
+        if stage != "fit":
+            return
+        self.steps = trainer.global_step - self.first_step if self.first_step >= 0 else 0
+        if not trainer.is_global_zero:
             return
         best_loss, best_step = self.best_val or (None, None)
         seconds = time.perf_counter() - self._started
@@ -164,5 +186,5 @@ class FitReport(L.Callback):
             getattr(pl_module, "tokens_seen", 0),
             getattr(pl_module, "response_tokens_seen", 0),
         )
-        totals = FitTotals(seconds, tokens, response_tokens, best_loss, best_step)
+        totals = FitTotals(seconds, tokens, response_tokens, best_loss, best_step, self.steps)
         rank_zero_info(fit_summary(trainer, totals, getattr(pl_module, "saved_adapter", None)))

@@ -1,0 +1,126 @@
+"""A run that would train nothing is a mistake named in one line (exit 2), before any weights load
+where the data tells it, in ``fit``, ``check`` and ``inspect`` alike; never a success (issue 50)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lit_instruct.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def unreadable_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama's config and tokenizer, with weights no loader can read: a refusal that comes
+    after the weights are read fails on them instead."""
+    model = tmp_path_factory.mktemp("unreadable") / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(b"not weights")
+    return model
+
+
+def args(command: str, model: Path, data: Path, tmp_path: Path, *extra: str) -> list[str]:
+    config = "dpo.yaml" if "pairs" in data.name else "lora.yaml"
+    root = ["--trainer.default_root_dir", str(tmp_path / "runs")] if command != "inspect" else []
+    data_args = ["--data.train_files", f"[{data}]", "--data.val_fraction", "0"]
+    return [
+        command,
+        "--config",
+        str(ROOT / "configs" / config),
+        "--model.model",
+        str(model),
+        *data_args,
+        *root,
+        *extra,
+    ]
+
+
+def refused(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-instruct: config")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["fit", "check", "inspect"])
+def test_an_empty_file_is_refused_naming_it(
+    command: str, unreadable_model: Path, tmp_path: Path, capsys
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    line = refused(args(command, unreadable_model, empty, tmp_path), capsys)
+    assert line == f"lit-instruct: config error: data.train_files: no record in {empty} (an empty file?)"
+
+
+def test_an_empty_pairs_file_is_refused_too(unreadable_model: Path, tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "pairs.jsonl"
+    empty.write_text("")
+    line = refused(args("fit", unreadable_model, empty, tmp_path), capsys)
+    assert line == f"lit-instruct: config error: data.train_files: no record in {empty} (an empty file?)"
+
+
+@pytest.mark.parametrize("command", ["fit", "check", "inspect"])
+def test_every_response_truncated_away_names_max_seq_len_and_the_counts(
+    command: str, unreadable_model: Path, chat_file: Path, tmp_path: Path, capsys
+) -> None:
+    samples = len(chat_file.read_text().splitlines())
+    line = refused(args(command, unreadable_model, chat_file, tmp_path, "--data.max_seq_len", "4"), capsys)
+    assert line == (
+        f"lit-instruct: config error: data.max_seq_len: 4: every response truncated away ({samples} of "
+        f"{samples} samples of {chat_file}); raise it"
+    )
+
+
+def test_every_record_skipped_as_bad_names_on_bad_record(
+    unreadable_model: Path, tmp_path: Path, capsys
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"x": 1}) + "\n" + json.dumps({"y": 2}) + "\n")
+    line = refused(args("fit", unreadable_model, bad, tmp_path, "--data.on_bad_record", "skip"), capsys)
+    assert line.startswith("lit-instruct: config error: data.on_bad_record: skip: every record of ")
+    assert "skipped_unknown_format=2" in line
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"), [("max_steps", "0"), ("max_epochs", "0"), ("limit_train_batches", "0")]
+)
+@pytest.mark.parametrize("command", ["fit", "check"])
+def test_a_trainer_setting_that_leaves_no_step_is_refused(
+    command: str, setting: str, value: str, unreadable_model: Path, chat_file: Path, tmp_path: Path, capsys
+) -> None:
+    line = refused(
+        args(command, unreadable_model, chat_file, tmp_path, f"--trainer.{setting}", value), capsys
+    )
+    assert line.startswith(f"lit-instruct: config error: trainer.{setting}: {value} trains nothing")
+
+
+@pytest.mark.slow
+def test_a_fit_that_takes_no_step_exits_2_without_a_try_it_line(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, caplog
+) -> None:
+    """Resumed from a checkpoint at ``max_steps`` already: the fit takes no step."""
+    first = args(
+        "fit", tiny_model_dir, chat_file, tmp_path, "--trainer.max_steps", "2", "--trainer.max_epochs", "-1"
+    )
+    first += [
+        "--validate_before_fit",
+        "false",
+        "--data.val_files",
+        f"[{chat_file}]",
+    ]  # checkpoints by val/loss
+    main(first)
+    checkpoint = max((tmp_path / "runs").rglob("*.ckpt"), key=lambda path: path.stat().st_mtime_ns)
+    caplog.clear()
+    with pytest.raises(SystemExit) as stop:
+        main([*first, "--ckpt_path", str(checkpoint)])
+    assert stop.value.code == 2
+    said = caplog.text
+    assert "it took no optimizer step" in said and "the fit took no optimizer step" in said
+    assert "try it" not in said
