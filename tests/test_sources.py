@@ -3,6 +3,7 @@ parallel tokenization; weighted mixtures with per-source validation."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import shutil
@@ -478,3 +479,29 @@ def test_samples_read_before_setup_say_so(tiny_model_dir, tmp_path) -> None:
     for read in (lambda: data.train_samples, lambda: data.val_samples, lambda: data.counts):
         with pytest.raises(RuntimeError, match=r"call setup\(\) before reading its samples or counts"):
             read()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
+def test_a_byte_order_mark_is_read_as_excel_and_notepad_write_it(kind: str, tiny_model_dir, tmp_path) -> None:
+    """A UTF-8 file starting with a byte-order mark gives the samples the same file without it gives
+    (issue 50): it was refused ("decode using utf-8-sig")."""
+    from lit_instruct.data.datamodule import InstructDataModule
+
+    rows = [{"instruction": f"Say {word}.", "output": word} for word in ("hi", "bye", "yes")]
+    if kind == "jsonl":
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+    elif kind == "json":
+        text = json.dumps(rows)
+    else:
+        text = "instruction,output\n" + "".join(f"{row['instruction']},{row['output']}\n" for row in rows)
+    samples = []
+    for name, mark in (("plain", b""), ("marked", codecs.BOM_UTF8)):
+        path = tmp_path / name / f"data.{kind}"
+        path.parent.mkdir()
+        path.write_bytes(mark + text.encode())
+        data = InstructDataModule(tokenizer=str(tiny_model_dir), train_files=[str(path)], val_fraction=0)
+        samples.append(list(data.prepare_samples().train))
+    plain, marked = samples
+    assert len(plain) == len(marked) == 3
+    for a, b in zip(plain, marked, strict=True):
+        assert a.input_ids == b.input_ids and a.labels == b.labels

@@ -9,6 +9,7 @@ seconds (see :func:`load_hub_dataset`).
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import hashlib
 import json
@@ -35,6 +36,9 @@ from lit_instruct.data.strict_json import (
 from lit_instruct.errors import ConfigError
 from lit_instruct.network import reachable
 from lit_instruct.templates import template_text
+
+UTF8 = "utf-8-sig"
+"""How text files are decoded: UTF-8, a byte-order mark at the start (Excel, Notepad) skipped."""
 
 TABLE_SUFFIXES = (".parquet", ".arrow", ".csv")
 """Files read as tables through ``datasets``."""
@@ -133,7 +137,7 @@ def iter_json(path: Path) -> Iterator[RawRecord]:
         return
     blank: list[int] = []  # blank lines seen since the last record: errors only if one follows
     decoder = StrictDecoder()
-    with path.open(encoding="utf-8", errors="surrogateescape") as lines:
+    with path.open(encoding=UTF8, errors="surrogateescape") as lines:
         for lineno, line in enumerate(lines, start=1):
             line = line.rstrip("\r\n")
             if not line.strip():
@@ -150,8 +154,8 @@ def _starts_with_bracket(path: Path) -> bool:
     """Whether the file's first non-blank character is ``[`` (a JSON array, not JSON Lines)."""
     with path.open("rb") as handle:
         while chunk := handle.read(1 << 16):
-            if chunk.strip():
-                return chunk.lstrip().startswith(b"[")
+            if chunk.removeprefix(codecs.BOM_UTF8).strip():
+                return chunk.removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
     return False
 
 
@@ -196,7 +200,7 @@ def _array_values(text: str) -> Iterator[tuple[int, int, Any, JSONProblem | None
 
 def _iter_array(path: Path) -> Iterator[RawRecord]:
     """The records of a JSON array file, each named ``file[record N]`` (its line in the message)."""
-    text = path.read_bytes().decode("utf-8", "surrogateescape")
+    text = path.read_bytes().decode(UTF8, "surrogateescape")
     try:
         for index, (start, end, value, problem) in enumerate(_array_values(text), start=1):
             source = f"{path}[record {index}]"
@@ -240,7 +244,7 @@ def iter_csv_text(path: Path) -> Iterator[RawRecord]:
     line, rows numbered as ``datasets`` numbers them."""
     import csv
 
-    with path.open(encoding="utf-8", errors="surrogateescape", newline="") as handle:
+    with path.open(encoding=UTF8, errors="surrogateescape", newline="") as handle:
         reader = csv.reader(handle)
         header = next(reader, [])
         index, line = 0, reader.line_num + 1  # the line the next row starts on
@@ -311,10 +315,10 @@ def csv_as_text(path: Path) -> dict[str, Any]:
 
     import datasets
 
-    with path.open(encoding="utf-8", newline="") as handle:
+    with path.open(encoding=UTF8, newline="") as handle:
         header = next(csv.reader(handle), [])
     features = datasets.Features({name: datasets.Value("string") for name in header})
-    return {"features": features, "keep_default_na": False}
+    return {"features": features, "keep_default_na": False, "encoding": UTF8}
 
 
 def iter_rows(dataset: Any, where: str) -> Iterator[RawRecord]:
