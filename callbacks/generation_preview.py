@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import log_dir
+from lit_instruct.io import log_dir
 
 
 class GenerationPreview(L.Callback):

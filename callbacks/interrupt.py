@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import checkpoint_dir
+from lit_instruct.io import checkpoint_dir
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 """Ctrl-C; what SLURM preemption, Kubernetes, ``docker stop`` and ``timeout`` send; what SLURM's

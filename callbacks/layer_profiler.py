@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import figure, log_dir, log_image
+from lit_instruct.callbacks.shared import figure, log_image
+from lit_instruct.io import log_dir
 from lit_instruct.models.decoder import decoder_of
 
 PHASES = ("forward", "loss", "lm_head_backward", "layer_backward", "optimizer", "step")

@@ -15,7 +15,8 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import figure, log_dir, log_image
+from lit_instruct.callbacks.shared import figure, log_image
+from lit_instruct.io import log_dir
 
 
 class LossCurves(L.Callback):

@@ -39,9 +39,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lit_instruct.callbacks.shared import log_dir
 from lit_instruct.data.render import Sample
 from lit_instruct.distributed import full_tensor, is_sharded
+from lit_instruct.io import log_dir
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.rng import gather_objects
 from lit_instruct.train.fit_report import logged_step

@@ -1,4 +1,4 @@
-"""Helpers shared by the callbacks: figures, images to W&B, where logs and checkpoints go."""
+"""Helpers shared by the callbacks: figures and images to W&B (where runs write: lit_instruct.io)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
-
-from lit_instruct.io import log_dir
 
 
 def figure(**kwargs: Any) -> Any:
@@ -25,11 +22,3 @@ def log_image(trainer: L.Trainer, key: str, path: Path) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             logger.log_image(key, [str(path)])
-
-
-def checkpoint_dir(trainer: L.Trainer) -> Path:
-    """The ``ModelCheckpoint`` folder, else ``<log dir>/checkpoints`` (call it on every rank)."""
-    callback = trainer.checkpoint_callback
-    if isinstance(callback, ModelCheckpoint) and callback.dirpath:
-        return Path(callback.dirpath)
-    return log_dir(trainer) / "checkpoints"

@@ -213,6 +213,16 @@ def log_dir(trainer: Any) -> Path:
     return Path(trainer.log_dir or trainer.default_root_dir)
 
 
+def checkpoint_dir(trainer: Any) -> Path:
+    """The ``ModelCheckpoint`` folder, else ``<log dir>/checkpoints`` (call it on every rank)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint) and callback.dirpath:
+        return Path(callback.dirpath)
+    return log_dir(trainer) / "checkpoints"
+
+
 def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
     """Raise if any tensor holds NaN or Inf, naming the first such tensor."""
     for name, tensor in tensors.items():

@@ -110,3 +110,19 @@ def test_ddp_nan_on_one_rank_skips_on_both(tiny_model_dir, tmp_path):
                 next(iter(steps[skipped + 1].values())), next(iter(steps[skipped].values()))
             )
     assert_states_equal(ranks[0]["weights_per_step"][-1], ranks[1]["weights_per_step"][-1])
+
+
+def test_a_plain_trainer_skips_non_finite_steps_without_being_told(
+    tiny_model_dir, chat_file, tmp_path
+) -> None:
+    """The module installs the guard itself (issue 50): a ``Trainer`` given no callback skips a NaN
+    step all the same, and the weights stay finite."""
+    module, data = make(tiny_model_dir, chat_file, FaultyModule, batch_size=1, nan_loss_at=(2,))
+    recorder = Recorder()
+    run = trainer(tmp_path, max_steps=4, limit_val_batches=0, callbacks=[recorder])
+    with pytest.warns(UserWarning, match="step 2: non-finite loss or gradient, optimizer step skipped"):
+        run.fit(module, datamodule=data)
+    (guard,) = [callback for callback in run.callbacks if isinstance(callback, SkipNonFiniteSteps)]
+    assert (guard.skipped, guard.max_consecutive) == (1, 10)
+    assert_states_equal(recorder.states[2][0], recorder.states[1][0])
+    assert all(torch.isfinite(value).all() for value in recorder.states[-1][0].values())

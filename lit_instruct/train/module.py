@@ -39,6 +39,7 @@ from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
+from lit_instruct.train.nonfinite import SkipNonFiniteSteps
 from lit_instruct.train.resume import resumed_entry
 from lit_instruct.train.rng_states import RestoreRNGStates
 from lit_instruct.train.threads import ThreadBudget
@@ -348,11 +349,12 @@ class InstructLoRAModule(L.LightningModule):
         self._sharded = True
 
     def configure_callbacks(self) -> list[L.Callback]:
-        """Throughput, RNG states for exact resumes, the fit report, and on CPU the threads following
-        the cores other processes leave free: those of these types the Trainer does not hold yet (the
-        user's own is kept, and a fit after ``validate`` keeps the ones attached then)."""
+        """Throughput, RNG states for exact resumes, the fit report, on CPU the threads following the
+        cores other processes leave free, and the non-finite step guard: those of these types the
+        Trainer does not hold yet (the user's own is kept, and a fit after ``validate`` keeps the ones
+        attached then)."""
         held = self.trainer.callbacks if self._trainer is not None else []  # type: ignore[attr-defined]
-        ours = [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget()]
+        ours = [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget(), SkipNonFiniteSteps()]
         return [callback for callback in ours if not any(isinstance(c, type(callback)) for c in held)]
 
     # -- generation -----------------------------------------------------------------------------
