@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lit_instruct.adapter_folder import ADAPTER_WEIGHTS, save_adapter
+from lit_instruct.io import written_by_us
 
 SAVING_HOOKS = frozenset(
     {"on_train_batch_end", "on_train_epoch_end", "on_validation_end", "on_exception", "on_train_end"}
@@ -46,7 +46,7 @@ class AdapterCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._adapters: dict[str, tuple[int, int]] = {}  # checkpoint -> its (inode, mtime) when adapted
-        self._fit_started_ns = time.time_ns()
+        self._before_fit: dict[str, tuple[int, int]] = {}  # kept files as training started
 
     @staticmethod
     def adapter_dir(checkpoint_path: str | Path) -> Path:
@@ -65,13 +65,20 @@ class AdapterCheckpoint(ModelCheckpoint):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the state; of the adapters it names, those in this callback's own folder only (a
+        checkpoint from elsewhere names no folder to remove)."""
         super().load_state_dict(state_dict)
-        self._adapters = {p: (int(s[0]), int(s[1])) for p, s in state_dict.get("adapters", {}).items()}
+        here = Path(self.dirpath).resolve() if self.dirpath else None
+        self._adapters = {
+            p: (int(s[0]), int(s[1]))
+            for p, s in state_dict.get("adapters", {}).items()
+            if here is not None and Path(p).parent.resolve() == here
+        }
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        self._fit_started_ns = time.time_ns()
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._before_fit = {p: s for p in self._kept() if (s := _stamp(p)) is not None}
 
     def sync_adapters(self, trainer: L.Trainer) -> None:
         """Write the adapter of each kept checkpoint file that is new or rewritten since the last
@@ -83,19 +90,20 @@ class AdapterCheckpoint(ModelCheckpoint):
         if not trainer.is_global_zero:
             return
         for path in [p for p in self._adapters if not os.path.exists(p)]:
-            shutil.rmtree(self.adapter_dir(path), ignore_errors=True)
+            folder = self.adapter_dir(path)
+            if folder.is_dir() and _all_ours(folder):
+                shutil.rmtree(folder, ignore_errors=True)
             del self._adapters[path]
         for path in self._kept():
-            if not os.path.isfile(path):
+            stamp = _stamp(path)
+            if stamp is None:
                 continue
-            stat = os.stat(path)
-            stamp = (stat.st_ino, stat.st_mtime_ns)
             folder = self.adapter_dir(path)
             if self._adapters.get(path) == stamp and (folder / ADAPTER_WEIGHTS).is_file():
                 continue
-            if stat.st_mtime_ns >= self._fit_started_ns:
+            if self._before_fit.get(path) != stamp:  # written by this fit, from the weights of now
                 self._write(trainer, folder, None)
-            elif not _written_after(folder, stat.st_mtime_ns):
+            elif not _written_after(folder, stamp[1]):
                 state = trainer.strategy.checkpoint_io.load_checkpoint(path)["state_dict"]
                 self._write(trainer, folder, {k.removeprefix("model."): v for k, v in state.items()})
             self._adapters[path] = stamp
@@ -106,9 +114,9 @@ class AdapterCheckpoint(ModelCheckpoint):
         # InstructLoRAModule's writer adds the template, a grown tokenizer, a residual-init conversion
         write = getattr(module, "write_adapter", None)
         if callable(write):
-            write(folder, state)
+            write(folder, state, setting="AdapterCheckpoint")
         else:
-            save_adapter(module.model, folder, state)
+            save_adapter(module.model, folder, state, setting="AdapterCheckpoint")
 
     @override
     def on_train_batch_end(
@@ -144,3 +152,17 @@ def _written_after(folder: Path, mtime_ns: int) -> bool:
     """Whether ``folder`` holds a whole adapter written after ``mtime_ns`` (its checkpoint's time)."""
     weights = folder / ADAPTER_WEIGHTS  # folders appear whole (atomic_directory): no half-written one
     return weights.is_file() and weights.stat().st_mtime_ns >= mtime_ns
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    """A file's (inode, mtime): changed when it is rewritten; ``None`` when it is no file."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return (stat.st_ino, stat.st_mtime_ns) if os.path.isfile(path) else None
+
+
+def _all_ours(folder: Path) -> bool:
+    entries = [entry.name for entry in folder.iterdir()]
+    return set(entries) <= written_by_us(folder, entries)

@@ -13,7 +13,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -50,15 +49,19 @@ class GracefulInterrupt(L.Callback):
         self.interrupted: str | None = None
         self._previous: dict[int, Any] = {}
         self._last_step = -1
+        self._trainer: L.Trainer | None = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.requested:  # the second: stop now
             _forced.append(signum)
             self._restore()
             if signum == signal.SIGINT:
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt  # Lightning stops the other ranks, then exits (main: 130)
+            launcher = getattr(getattr(self._trainer, "strategy", None), "launcher", None)
+            if launcher is not None:  # the ranks this process started die with it, not hang
+                launcher.kill(signal.SIGKILL)
             signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            os.kill(os.getpid(), signum)  # killed by the signal, as its sender expects
             return
         self.requested, self.signal_number = True, signum
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -66,16 +69,20 @@ class GracefulInterrupt(L.Callback):
             f"\nlit-instruct: {name}: stopping after this step with a checkpoint ({name} again: stop now)"
         )
 
-    def _signals(self, trainer: L.Trainer) -> list[int]:
-        environment = getattr(trainer.strategy, "cluster_environment", None)
-        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-            return [s for s in STOP_SIGNALS if s != environment.requeue_signal]
-        return list(STOP_SIGNALS)
+    @staticmethod
+    def _signals() -> list[int]:
+        """The stop signals to handle: SIGINT and SIGTERM always (Lightning's SIGTERM handler exits
+        0); SIGUSR1 where no handler holds it, which Lightning's SLURM plugin installs to requeue the
+        job (``auto_requeue``, any strategy) and a user may have installed."""
+        held = signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None)
+        return [s for s in STOP_SIGNALS if not (s == signal.SIGUSR1 and held)]
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._trainer = trainer
+        _forced.clear()
         if threading.current_thread() is threading.main_thread():
-            for signum in self._signals(trainer):  # over Lightning's SIGTERM handler, which exits 0
+            for signum in self._signals():  # over Lightning's SIGTERM handler, which exits 0
                 self._previous[signum] = signal.signal(signum, self._on_signal)
             rank_zero_info("lit-instruct: training; Ctrl-C stops after the current step with a checkpoint")
         self._last_step = trainer.global_step
@@ -87,7 +94,8 @@ class GracefulInterrupt(L.Callback):
         stepped, self._last_step = trainer.global_step != self._last_step, trainer.global_step
         if not stepped or not trainer.strategy.reduce_boolean_decision(self.requested, all=False):
             return
-        received = torch.tensor(float(self.signal_number or 0))  # the signal, wherever it was received
+        # the signal, wherever it was received (on the ranks' device: NCCL reduces no CPU tensor)
+        received = torch.tensor(float(self.signal_number or 0), device=trainer.strategy.root_device)
         self.signal_number = int(trainer.strategy.reduce(received, reduce_op="max"))
         path = checkpoint_dir(trainer) / f"interrupted-step={trainer.global_step}.ckpt"
         trainer.save_checkpoint(path)  # collective: every rank takes this branch together

@@ -34,7 +34,7 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.io import check_replaceable
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
-from lit_instruct.preflight import check_config, check_trains_something
+from lit_instruct.preflight import check_adapter_dir, check_config, check_trains_something
 from lit_instruct.preflight.resume import resolve_last
 from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
@@ -138,20 +138,41 @@ def preference_requested(args: list[str] | Mapping[str, Any] | None) -> bool:
     return False
 
 
-def check_fresh_log_dir(config: Mapping[str, Any]) -> None:
-    """A fresh fit without a logger writes ``config.yaml`` into the root folder itself: refuse a root
-    an earlier run wrote into (Lightning would stop there, after the model loaded, with a traceback)."""
+SAVED_CONFIG_HEADER = "# lightning.pytorch=="
+"""How the ``config.yaml`` a fit saves begins (LightningCLI's dump header)."""
+
+
+def check_log_dir(config: Mapping[str, Any], resuming: bool) -> bool:
+    """Whether the fit may overwrite a ``config.yaml`` in its log folder: a fit without a logger
+    writes it into the root folder itself, where a fresh fit must not find an earlier run's
+    (Lightning would stop there, after the model loaded, with a traceback) and a resume may replace
+    only one a fit saved (never the user's own config file).
+
+    Raises:
+        ConfigError: naming ``trainer.default_root_dir`` and what to do.
+    """
     trainer = config.get("trainer") or {}
     if trainer.get("logger") not in (False, []):
-        return
+        return False
     root = Path(trainer.get("default_root_dir") or ".")
-    if (root / "config.yaml").is_file():
+    saved = root / "config.yaml"
+    if not saved.is_file():
+        return False
+    if not resuming:
         raise ConfigError(
             "trainer.default_root_dir",
             f"{str(root)!r} holds an earlier run's config.yaml, and with trainer.logger: false a run writes "
             "into the root itself: name a new folder, resume with --ckpt_path last, or keep a logger "
             "(each run then gets its own version_N)",
         )
+    with open(saved, encoding="utf-8", errors="replace") as handle:
+        if not handle.readline().startswith(SAVED_CONFIG_HEADER):
+            raise ConfigError(
+                "trainer.default_root_dir",
+                f"{str(root)!r} holds a config.yaml no fit saved, which this run (trainer.logger: false) "
+                "would write over: name the run's own root folder",
+            )
+    return True
 
 
 class InstructCLI(LightningCLI):
@@ -199,14 +220,13 @@ class InstructCLI(LightningCLI):
         self.resolve_auto()
         self.follow_root_dir()
         config = self.parsed()
-        if config.get("ckpt_path") is not None:  # a resume writes into its run's folder again
-            self.save_config_kwargs["overwrite"] = True
-        elif self.subcommand != "validate":  # fit, or check (which parses fit's command line)
-            check_fresh_log_dir(config.as_dict())
-        if self.subcommand != "validate":
-            check_trains_something(config.as_dict().get("trainer") or {})
         if config.get("ckpt_path") == "last":
             config["ckpt_path"] = resolve_last(config.as_dict())
+        if self.subcommand != "validate":  # fit, or check (which parses fit's command line)
+            resuming = config.get("ckpt_path") is not None
+            self.save_config_kwargs["overwrite"] = check_log_dir(config.as_dict(), resuming)
+            check_trains_something(config.as_dict().get("trainer") or {})
+            check_adapter_dir(config.as_dict())
         self.model_plan = check_config(self.subcommand_config())
 
     def resolve_auto(self) -> None:
@@ -317,7 +337,12 @@ class InstructCLI(LightningCLI):
         if interrupt.interrupted:  # the checkpoint and the adapter are saved; say it was interrupted
             raise SystemExit(128 + (interrupt.signal_number or signal.SIGINT))
         report = next((cb for cb in callbacks if isinstance(cb, FitReport)), None)
-        if report is not None and report.steps == 0 and not self.trainer.interrupted:
+        finished = 0 < self.trainer.max_steps <= self.trainer.global_step  # resumed at its end: done
+        if report is not None and report.steps == 0 and finished:
+            rank_zero_info(
+                f"lit-instruct: the run had reached trainer.max_steps {self.trainer.max_steps} already"
+            )
+        elif report is not None and report.steps == 0 and not self.trainer.interrupted:
             rank_zero_info(  # a run that trained nothing is no success (a restart wrapper must not read one)
                 f"lit-instruct: the fit took no optimizer step (global step {self.trainer.global_step}, "
                 f"trainer.max_steps {self.trainer.max_steps}, trainer.max_epochs {self.trainer.max_epochs})"

@@ -3,9 +3,11 @@ whole, or not at all, with the modes the umask allows; tensors checked finite be
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -20,8 +22,17 @@ import torch
 from lit_instruct.errors import ConfigError
 
 OUTPUT_MARKER = ".lit-instruct"
-"""The file in every folder lit-instruct writes whole (adapters, exports): a folder without it is the
-user's, and is never replaced."""
+"""The file in every folder lit-instruct writes whole (adapters, exports), listing what it wrote
+there: a folder without it is the user's, and is never replaced; nor is one holding anything else."""
+
+EARLIER_OUTPUT = re.compile(
+    r"adapter_config\.json|adapter_model\.(safetensors|bin)|chat_template\.jinja|README\.md|config\.json"
+    r"|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.json"
+    r"|merges\.txt"
+)
+"""The names of what lit-instruct writes in an adapter or model folder: an unmarked folder holding
+these only (and a config) is one an earlier version wrote, replaced as ours."""
 
 
 @contextmanager
@@ -37,26 +48,42 @@ def named_on_failure(path: str | Path) -> Iterator[None]:
 
 def check_replaceable(target: str | Path, setting: str) -> None:
     """Refuse ``target`` as a folder to write whole when it holds anything lit-instruct did not write
-    there: a non-empty folder without :data:`OUTPUT_MARKER` (its files would be deleted), or a file.
+    there (its files would be deleted), or is a file. Ours: what :data:`OUTPUT_MARKER` lists, or, in
+    a folder without it, an adapter or model folder of an earlier version (:data:`EARLIER_OUTPUT`).
 
     Raises:
-        ConfigError: naming ``setting``, the folder and what would be right.
+        ConfigError: naming ``setting``, the folder, what is not ours and what would be right.
     """
     target = Path(target)
     if not target.exists():
         return
     if not target.is_dir():
         raise ConfigError(setting, f"{str(target)!r} is a file; name a folder to write into")
-    if (target / OUTPUT_MARKER).is_file():
-        return
     entries = sorted(entry.name for entry in target.iterdir())
-    if entries:
+    foreign = [name for name in entries if name not in written_by_us(target, entries)]
+    if foreign:
         raise ConfigError(
             setting,
-            f"{str(target)!r} holds {len(entries)} entries lit-instruct did not write "
-            f"({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}), which writing the folder "
+            f"{str(target)!r} holds {len(foreign)} entries lit-instruct did not write "
+            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}), which writing the folder "
             "whole would delete; name a new or empty folder",
         )
+
+
+def written_by_us(folder: Path, entries: list[str]) -> set[str]:
+    """Which of ``folder``'s ``entries`` lit-instruct wrote (see :func:`check_replaceable`)."""
+    marker = folder / OUTPUT_MARKER
+    if marker.is_file():
+        try:
+            listed = json.loads(marker.read_text(encoding="utf-8")).get("entries")
+        except (ValueError, AttributeError, OSError):
+            listed = None
+        if isinstance(listed, list):
+            return {OUTPUT_MARKER, *map(str, listed)}
+        return set(entries)  # a marker without a list: the first version that marked its folders
+    earlier = {name for name in entries if EARLIER_OUTPUT.fullmatch(name)}
+    is_output = {"adapter_config.json", "config.json"} & earlier
+    return earlier if is_output and earlier == set(entries) else set()
 
 
 @contextmanager
@@ -79,8 +106,10 @@ def atomic_directory(target: str | Path, replace: bool = True, setting: str | No
         with named_on_failure(target):
             yield staging
         if setting is not None:
+            entries = sorted(entry.name for entry in staging.iterdir())
             (staging / OUTPUT_MARKER).write_text(
-                json.dumps({"written_by": "lit-instruct", "what": setting}) + "\n", encoding="utf-8"
+                json.dumps({"written_by": "lit-instruct", "what": setting, "entries": entries}) + "\n",
+                encoding="utf-8",
             )
         _as_umask_allows(staging)
         _sync_tree(staging)
@@ -110,8 +139,16 @@ def atomic_directory(target: str | Path, replace: bool = True, setting: str | No
 
 def staging_prefix(target: Path) -> str:
     """How temporary files and folders beside ``target`` begin (the process id follows): hidden, and
-    naming the host, so that only this host's dead writers' leftovers are removed."""
-    return f".{target.name}-{socket.gethostname()}-"
+    naming the host and its process-id namespace (containers sharing a host name each have their
+    own), so that only this host's dead writers' leftovers are removed."""
+    return f".{target.name}-{socket.gethostname()}-{_pid_namespace()}-"
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return "0"
 
 
 def _retired(target: Path) -> Path:
@@ -163,8 +200,9 @@ def sync_folder(folder: Path) -> None:
         return
     try:
         os.fsync(handle)
-    except OSError:
-        pass  # a file system that cannot sync folders
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):  # cannot sync folders: fine
+            raise
     finally:
         os.close(handle)
 

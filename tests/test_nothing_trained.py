@@ -102,25 +102,19 @@ def test_a_trainer_setting_that_leaves_no_step_is_refused(
 
 
 @pytest.mark.slow
-def test_a_fit_that_takes_no_step_exits_2_without_a_try_it_line(
+def test_a_resume_at_max_steps_takes_no_step_says_so_and_prints_no_try_it_line(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, caplog
 ) -> None:
-    """Resumed from a checkpoint at ``max_steps`` already: the fit takes no step."""
+    """Resumed from a checkpoint at ``max_steps`` already (a job requeued as its last step ended):
+    done, said in one line; no "try it" for an adapter this fit did not train."""
     first = args(
         "fit", tiny_model_dir, chat_file, tmp_path, "--trainer.max_steps", "2", "--trainer.max_epochs", "-1"
     )
-    first += [
-        "--validate_before_fit",
-        "false",
-        "--data.val_files",
-        f"[{chat_file}]",
-    ]  # checkpoints by val/loss
+    first += ["--validate_before_fit", "false", "--data.val_files", f"[{chat_file}]"]  # for val/loss
     main(first)
     checkpoint = max((tmp_path / "runs").rglob("*.ckpt"), key=lambda path: path.stat().st_mtime_ns)
     caplog.clear()
-    with pytest.raises(SystemExit) as stop:
-        main([*first, "--ckpt_path", str(checkpoint)])
-    assert stop.value.code == 2
+    main([*first, "--ckpt_path", str(checkpoint)])
     said = caplog.text
-    assert "it took no optimizer step" in said and "the fit took no optimizer step" in said
+    assert "it took no optimizer step" in said and "had reached trainer.max_steps 2 already" in said
     assert "try it" not in said

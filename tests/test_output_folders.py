@@ -152,3 +152,36 @@ def test_item12_a_checkpoint_killed_midway_leaves_no_temporary_after_the_next_sa
     io.save_checkpoint({"step": torch.tensor(3)}, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     assert int(io.load_checkpoint(path)["step"]) == 3
+
+
+def test_item2_a_folder_an_earlier_version_wrote_is_replaced_and_files_added_to_ours_are_kept(
+    tmp_path: Path,
+) -> None:
+    earlier = tmp_path / "earlier"  # an adapter folder from before the marker: only names we write
+    earlier.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "chat_template.jinja"):
+        (earlier / name).write_text("{}")
+    with atomic_directory(earlier, setting="--out") as staging:
+        (staging / "adapter_model.safetensors").write_text("new")
+    assert (earlier / "adapter_model.safetensors").read_text() == "new"
+    (earlier / "eval-results.json").write_text("the user's")  # added to a folder of ours
+    with (
+        pytest.raises(ConfigError, match=r"--out: .* holds 1 entries .* \(eval-results\.json\)"),
+        atomic_directory(earlier, setting="--out"),
+    ):
+        pass
+    readme_only = tmp_path / "notes"  # names we write, but no adapter or model: the user's
+    readme_only.mkdir()
+    (readme_only / "README.md").write_text("mine")
+    with pytest.raises(ConfigError, match=r"README\.md"), atomic_directory(readme_only, setting="--out"):
+        pass
+
+
+def test_item2_an_adapter_checkpoint_restores_no_folder_outside_its_own(tmp_path: Path) -> None:
+    from lit_instruct.callbacks import AdapterCheckpoint
+
+    keep = AdapterCheckpoint(dirpath=tmp_path / "ckpt")
+    inside, outside = str(tmp_path / "ckpt" / "a.ckpt"), str(tmp_path / "elsewhere" / "my-lora")
+    state = {**keep.state_dict(), "adapters": {inside: [1, 2], outside: [3, 4]}}
+    keep.load_state_dict(state)
+    assert keep._adapters == {inside: (1, 2)}

@@ -210,3 +210,32 @@ def test_item3_a_resume_keeps_every_kept_checkpoints_adapter_as_it_was(
         assert written.keys() == expected.keys()
         for name, weight in expected.items():
             assert torch.equal(written[name], weight), (checkpoint.name, name)
+
+
+def test_item7_ckpt_path_last_takes_the_furthest_step_whatever_the_file_times(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path
+) -> None:
+    folder = tmp_path / "runs" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save({"hyper_parameters": hparams, "global_step": 6}, folder / "b.ckpt")
+    torch.save({"hyper_parameters": hparams, "global_step": 2}, folder / "a.ckpt")  # written later
+    args = fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(tmp_path / "runs"))
+    assert checked([*args, "--ckpt_path", "last"])["ckpt_path"] == str(folder / "b.ckpt")
+
+
+def test_a_resume_without_a_logger_never_writes_over_the_users_own_config_yaml(
+    tiny_model_dir: Path, chat_file: Path, hparams: dict, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.yaml").write_text("# my own notes\nmodel: {}\n")
+    torch.save({"hyper_parameters": hparams, "global_step": 2}, tmp_path / "x.ckpt")
+    args = fit_args(
+        tiny_model_dir, chat_file, "--trainer.logger", "false", "--ckpt_path", str(tmp_path / "x.ckpt")
+    )
+    args[args.index("--config") + 1 : args.index("--config") + 2] = [str(ROOT / "configs" / "lora.yaml")]
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--trainer.default_root_dir", "."])
+    assert stop.value.code == 2
+    assert "holds a config.yaml no fit saved" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("# lightning.pytorch==2.6.6\nmodel: {}\n")  # one a fit saved
+    checked([*args, "--trainer.default_root_dir", "."])

@@ -95,15 +95,17 @@ def test_item5_sigterm_to_rank_zero_stops_both_ddp_ranks_with_a_checkpoint(
 
 
 @pytest.mark.slow
-def test_item13_a_second_ctrl_c_stops_at_once_with_status_130(
-    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+def test_item13_a_second_signal_stops_at_once(
+    signum: int, status: int, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:
+    """Ctrl-C twice: exit 130; SIGTERM twice: killed by it (a shell says 143), as its sender expects."""
     slow = {"class_path": "tests.helpers.SlowSteps", "init_args": {"seconds": 5.0}}
     process = start_fit(tmp_path, tiny_model_dir, chat_file, callbacks=[slow])
     wait_for(process, READY)
-    process.send_signal(signal.SIGINT)
-    wait_for(process, "Ctrl-C again: stop now")
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
+    wait_for(process, "again: stop now")
+    process.send_signal(signum)
     _, rest = process.communicate(timeout=60)
-    assert process.returncode == 130, rest[-3000:]
+    assert process.returncode == status, rest[-3000:]
     assert not list((tmp_path / "runs").rglob("interrupted-step=*.ckpt"))

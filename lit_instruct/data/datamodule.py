@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,13 @@ def validation_split(path: str) -> str:
         splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
         return next((name for name in ("validation", "val", "test") if name in splits), "train")
     return "train"
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """In a data-loading worker: Ctrl-C, SIGTERM and SIGUSR1, which ``timeout`` and SLURM send to the
+    whole process group, are the main process's to handle (it stops after the step and saves)."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class InstructDataModule(L.LightningDataModule):
@@ -414,4 +422,5 @@ class InstructDataModule(L.LightningDataModule):
             sampler=sampler,
             collate_fn=self._collator(name),
             num_workers=self.num_workers,
+            worker_init_fn=ignore_stop_signals,
         )

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.datamodule import InstructDataModule, ignore_stop_signals
 from lit_instruct.data.even_shards import EvenShards
 from lit_instruct.data.preference import (
     PreferenceCollator,
@@ -403,4 +403,5 @@ class PreferenceDataModule(InstructDataModule):
             sampler=sampler,
             collate_fn=self._collator(),
             num_workers=self.num_workers,
+            worker_init_fn=ignore_stop_signals,
         )

@@ -91,8 +91,6 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
         require_bitsandbytes()
     name = settings["model.model"]
     check_resume(config.get("ckpt_path"), name, lora, settings)
-    if settings.get("model.adapter_dir"):
-        check_adapter_dir(settings["model.adapter_dir"], run_folders(config))
     source = model_source(name)
     skeleton = _skeleton(source, settings)
     model_type = str(getattr(skeleton.config, "model_type", "?"))
@@ -152,11 +150,14 @@ def check_trains_something(trainer: Mapping[str, Any]) -> None:
             )
 
 
-def check_adapter_dir(adapter_dir: str, run_folders: list[Path]) -> None:
-    """``model.adapter_dir`` is written whole at the end: it must hold nothing but an adapter of
-    ours, and none of the folders the run writes its checkpoints and logs into."""
+def check_adapter_dir(config: Mapping[str, Any]) -> None:
+    """A fit's ``model.adapter_dir`` is written whole at the end: it must hold nothing but an adapter
+    of ours, and none of the folders the run writes its checkpoints and logs into."""
+    adapter_dir = (config.get("model") or {}).get("adapter_dir")
+    if not adapter_dir:
+        return
     target = Path(adapter_dir).resolve()
-    for folder in run_folders:
+    for folder in run_folders(config):
         if target == folder.resolve() or target in folder.resolve().parents:
             raise ConfigError(
                 "model.adapter_dir",
@@ -169,7 +170,8 @@ def check_adapter_dir(adapter_dir: str, run_folders: list[Path]) -> None:
 
 def check_resume(ckpt_path: Any, name: str, lora: LoRAConfig, settings: Mapping[str, Any]) -> None:
     """The checkpoint a fit resumes from: there, readable, and of the run's structure."""
-    if ckpt_path is None or str(ckpt_path) in SPECIAL_CHECKPOINTS or str(ckpt_path).startswith("registry:"):
+    special = str(ckpt_path) in SPECIAL_CHECKPOINTS or str(ckpt_path).startswith("registry:")
+    if ckpt_path is None or special or "://" in str(ckpt_path):  # Lightning resolves or fetches these
         return
     if not os.path.exists(ckpt_path):
         raise ConfigError("ckpt_path", f"{str(ckpt_path)!r} does not exist (a .ckpt file, or 'last')")

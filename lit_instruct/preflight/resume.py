@@ -125,19 +125,32 @@ def run_folders(config: Mapping[str, Any]) -> list[Path]:
             init = entry.get("init_args") if isinstance(entry, Mapping) else None
             folders.append((init or {}).get(setting))
     found = [Path(folder) for folder in folders if isinstance(folder, str | Path)]
-    return list(dict.fromkeys(found)) or [Path("lightning_logs")]
+    if not found:  # Lightning's defaults: a logger's lightning_logs/, or checkpoints/ without one
+        found = [Path("checkpoints") if trainer.get("logger") in (False, []) else Path("lightning_logs")]
+    return list(dict.fromkeys(found))
 
 
 def newest_checkpoint(folders: list[Path]) -> Path | None:
-    """The most recently written checkpoint (``*.ckpt`` file, or sharded folder) under ``folders``."""
-    found = [
+    """The furthest checkpoint (``*.ckpt`` file, or sharded folder) under ``folders``: the highest
+    ``global_step`` it records, then the most recently written (a copy without its times keeps its
+    order); one that cannot be read counts last."""
+    found = {
         path
         for folder in folders
         if folder.is_dir()
         for path in folder.rglob("*.ckpt")
         if path.is_file() or (path / METADATA_FILE).is_file()
-    ]
-    return max(found, key=lambda path: path.stat().st_mtime_ns, default=None)
+    }
+    return max(found, key=lambda path: (_recorded_step(path), path.stat().st_mtime_ns), default=None)
+
+
+def _recorded_step(path: Path) -> int:
+    try:
+        file = path / METADATA_FILE if path.is_dir() else path
+        step = torch.load(file, weights_only=True, map_location="cpu", mmap=True).get("global_step")
+    except Exception:  # a damaged file: resuming from it is refused when it is chosen, so rank it last
+        return -1
+    return int(step) if isinstance(step, int) else -1
 
 
 def resolve_last(config: Mapping[str, Any]) -> str | None:

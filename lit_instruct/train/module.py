@@ -13,7 +13,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torchmetrics import MeanMetric, SumMetric
 
@@ -566,10 +566,20 @@ class InstructLoRAModule(L.LightningModule):
         with (an :class:`InstructDataModule`'s ``training_chat_template``)."""
         path = self.adapter_path()  # on every rank: the log directory is broadcast from rank 0
         state = gathered_trainable_state(self.model) if self._sharded else None  # collective
+        fallback = log_dir(self.trainer) / f"adapter-step={self.trainer.global_step}"  # on every rank too
         if self.trainer.is_global_zero:
-            self.saved_adapter = self.write_adapter(path, state)
+            try:
+                self.saved_adapter = self.write_adapter(path, state)
+            except ConfigError as refused:  # the folder changed while training: keep the adapter
+                self.saved_adapter = self.write_adapter(fallback, state)
+                rank_zero_warn(f"lit-instruct: {refused}; the adapter is written to {fallback} instead")
 
-    def write_adapter(self, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+    def write_adapter(
+        self,
+        path: str | Path,
+        state: dict[str, torch.Tensor] | None = None,
+        setting: str = "model.adapter_dir",
+    ) -> Path:
         """Write the PEFT adapter to ``path`` (atomically; ``state``: whole tensors gathered from a
         sharded model) with the chat template the data was rendered with, the grown tokenizer when
         tokens were added, and as plain LoRA on the original base after a residual init."""
@@ -579,4 +589,6 @@ class InstructLoRAModule(L.LightningModule):
         convert = None
         if self.initial_adapter is not None:
             convert = functools.partial(as_plain_lora, initial=self.initial_adapter)
-        return save_adapter(self.model, path, state, template, tokenizer, convert, base=self.hparams["model"])
+        return save_adapter(
+            self.model, path, state, template, tokenizer, convert, base=self.hparams["model"], setting=setting
+        )
