@@ -132,6 +132,34 @@ class SlowSteps(L.Callback):
         time.sleep(self.seconds)
 
 
+def lora_fit_args(model: Path, chat_file: Path, *extra: str) -> list[str]:
+    """``lit-instruct fit`` with ``configs/lora.yaml`` on ``model`` and ``chat_file``, then ``extra``."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "lora.yaml"
+    return [
+        "fit",
+        "--config",
+        str(config),
+        "--model.model",
+        str(model),
+        "--data.train_files",
+        f"[{chat_file}]",
+        *extra,
+    ]
+
+
+def tiny_adapter(model: Path, folder: Path) -> Path:
+    """A LoRA adapter (rank 2, ``q_proj``) of ``model``, written at ``folder`` as training writes it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lit_instruct.adapter_folder import save_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(model)
+    return save_adapter(
+        get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])), folder, base=str(model)
+    )
+
+
 def write_chats(path: Path, chats: list[list[tuple[str, str]]]) -> Path:
     """``chats`` ((role, content) turns each) as a chat JSONL file at ``path``."""
     rows = [{"messages": [{"role": r, "content": c} for r, c in chat]} for chat in chats]

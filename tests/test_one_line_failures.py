@@ -14,6 +14,7 @@ import pytest
 
 from lit_instruct.cli import main
 from tests.ci import require_or_skip
+from tests.helpers import tiny_adapter
 
 HOSTILE_TEMPLATE = "{{ ''.__class__.__mro__ }}{% for m in messages %}{{ m.content }}{% endfor %}"
 
@@ -47,15 +48,8 @@ def fit_command(model: Path, chat_file: Path, root: Path, *extra: str) -> list[s
 
 @pytest.fixture
 def adapter(tiny_model_dir: Path, tmp_path: Path) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from lit_instruct.adapter_folder import save_adapter
-
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])
-    )
-    return save_adapter(model, tmp_path / "adapter", base=str(tiny_model_dir))
+    """A LoRA adapter of the tiny model, as training writes it."""
+    return tiny_adapter(tiny_model_dir, tmp_path / "adapter")
 
 
 @pytest.mark.slow

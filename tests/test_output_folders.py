@@ -16,21 +16,7 @@ from lit_instruct.cli import main
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import OUTPUT_MARKER, atomic_directory, staging_prefix
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def fit_args(model: Path, chat_file: Path, *extra: str) -> list[str]:
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "lora.yaml"),
-        "--model.model",
-        str(model),
-        "--data.train_files",
-        f"[{chat_file}]",
-        *extra,
-    ]
+from tests.helpers import lora_fit_args, tiny_adapter
 
 
 def users_folder(path: Path) -> Path:
@@ -42,15 +28,7 @@ def users_folder(path: Path) -> Path:
 @pytest.fixture
 def adapter(tiny_model_dir: Path, tmp_path: Path) -> Path:
     """A LoRA adapter of the tiny model, as training writes it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    from lit_instruct.adapter_folder import save_adapter
-
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])
-    )
-    return save_adapter(model, tmp_path / "adapter", base=str(tiny_model_dir))
+    return tiny_adapter(tiny_model_dir, tmp_path / "adapter")
 
 
 def test_item2_adapter_dir_holding_a_users_files_is_refused_before_training(
@@ -58,7 +36,7 @@ def test_item2_adapter_dir_holding_a_users_files_is_refused_before_training(
 ) -> None:
     folder = users_folder(tmp_path / "mine")
     with pytest.raises(SystemExit) as stop:
-        main(fit_args(tiny_model_dir, chat_file, "--model.adapter_dir", str(folder)))
+        main(lora_fit_args(tiny_model_dir, chat_file, "--model.adapter_dir", str(folder)))
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
@@ -75,7 +53,7 @@ def test_item2_adapter_dir_at_the_run_root_or_here_is_refused_before_training(
     root = tmp_path / "runs"
     monkeypatch.chdir(tmp_path)
     adapter_dir = str(root) if where == "root" else "."
-    args = fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(root))
+    args = lora_fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(root))
     with pytest.raises(SystemExit) as stop:
         main([*args, "--model.adapter_dir", adapter_dir])
     assert stop.value.code == 2

@@ -14,8 +14,7 @@ import torch
 
 from lit_instruct.cli import InstructCLI, main
 from lit_instruct.models.lora import LoRAConfig
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import lora_fit_args
 
 
 class Checked(Exception):
@@ -28,19 +27,6 @@ class CheckedOnly(InstructCLI):
         raise Checked(self.parsed().as_dict())
 
 
-def fit_args(model: Path, chat_file: Path, *extra: str) -> list[str]:
-    return [
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "lora.yaml"),
-        "--model.model",
-        str(model),
-        "--data.train_files",
-        f"[{chat_file}]",
-        *extra,
-    ]
-
-
 def checked(args: list[str]) -> dict:
     with pytest.raises(Checked) as parsed:
         CheckedOnly(args=args)
@@ -50,7 +36,7 @@ def checked(args: list[str]) -> dict:
 @pytest.fixture
 def hparams(tiny_model_dir: Path) -> dict:
     """The hyper-parameters lora.yaml's module has on the tiny model (no weights read)."""
-    config = checked(fit_args(tiny_model_dir, tiny_model_dir / "config.json"))["model"]
+    config = checked(lora_fit_args(tiny_model_dir, tiny_model_dir / "config.json"))["model"]
     return {**config, "lora": asdict(LoRAConfig(**config["lora"])), "quantization": {"method": "none"}}
 
 
@@ -77,7 +63,7 @@ def test_item1_a_checkpoint_cannot_set_the_model_or_trust_remote_code(
     torch.save(
         {"hyper_parameters": {**hparams, "model": str(hostile), "trust_remote_code": True}}, checkpoint
     )
-    args = fit_args(
+    args = lora_fit_args(
         tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint), "--model.trust_remote_code", "false"
     )
     with pytest.raises(SystemExit) as stop:
@@ -98,7 +84,7 @@ def test_item1_a_checkpoint_cannot_set_paths_or_code_execution(
     checkpoint = tmp_path / "hostile.ckpt"
     hostile = {"trust_remote_code": True, "adapter_dir": str(victim), "learning_rate": 9.0}
     torch.save({"hyper_parameters": {**hparams, **hostile}}, checkpoint)
-    model = checked(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))["model"]
+    model = checked(lora_fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))["model"]
     assert (model["trust_remote_code"], model["adapter_dir"], model["learning_rate"]) == (False, None, 3e-4)
     assert model["model"] == str(tiny_model_dir)
 
@@ -109,14 +95,16 @@ def test_item1_a_checkpoint_of_another_structure_is_refused_naming_both_values(
     checkpoint = tmp_path / "rank4.ckpt"
     torch.save({"hyper_parameters": {**hparams, "lora": {**hparams["lora"], "r": 4}}}, checkpoint)
     with pytest.raises(SystemExit) as stop:
-        main(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))
+        main(lora_fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(
         f"lit-instruct: config error: model.lora.r: 16 differs from the checkpoint {str(checkpoint)!r}"
     )
     assert "trained with 4" in err
-    same = checked(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint), "--model.lora.r", "4"))
+    same = checked(
+        lora_fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint), "--model.lora.r", "4")
+    )
     assert same["model"]["lora"]["r"] == 4
 
 
@@ -126,7 +114,7 @@ def test_item1_a_resume_keeps_this_launchs_low_memory_load(
     """A checkpoint written by a 2-process ``low_memory_load`` FSDP run resumes in a launch of 1."""
     checkpoint = tmp_path / "fsdp.ckpt"
     torch.save({"hyper_parameters": {**hparams, "low_memory_load": True}}, checkpoint)
-    model = checked(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))["model"]
+    model = checked(lora_fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))["model"]
     assert model["low_memory_load"] is False
 
 
@@ -140,9 +128,11 @@ def test_item7_ckpt_path_last_finds_the_checkpoint_of_an_earlier_version_folder(
     torch.save({"hyper_parameters": hparams}, older / "epoch=0-step=2.ckpt")
     torch.save({"hyper_parameters": hparams}, newer / "epoch=0-step=4.ckpt")
     os.utime(older / "epoch=0-step=2.ckpt", (1, 1))
-    args = fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(root), "--ckpt_path", "last")
+    args = lora_fit_args(
+        tiny_model_dir, chat_file, "--trainer.default_root_dir", str(root), "--ckpt_path", "last"
+    )
     assert checked(args)["ckpt_path"] == str(newer / "epoch=0-step=4.ckpt")
-    fresh = fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(tmp_path / "new"))
+    fresh = lora_fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(tmp_path / "new"))
     with caplog.at_level("INFO"):
         assert checked([*fresh, "--ckpt_path", "last"])["ckpt_path"] is None
     assert "no checkpoint under" in caplog.text and "starting at step 0" in caplog.text
@@ -158,7 +148,7 @@ def test_item13_a_bit_flipped_checkpoint_is_refused(
     checkpoint.write_bytes(data)
     assert torch.load(checkpoint, weights_only=True)["hyper_parameters"]["model"]
     with pytest.raises(SystemExit) as stop:
-        main(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))
+        main(lora_fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(checkpoint)))
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "lit-instruct: config error: ckpt_path:" in err and "fails its CRC check" in err
@@ -168,7 +158,7 @@ def test_a_missing_checkpoint_is_one_line(
     tiny_model_dir: Path, chat_file: Path, tmp_path: Path, capsys
 ) -> None:
     with pytest.raises(SystemExit) as stop:
-        main(fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(tmp_path / "nope.ckpt")))
+        main(lora_fit_args(tiny_model_dir, chat_file, "--ckpt_path", str(tmp_path / "nope.ckpt")))
     assert stop.value.code == 2
     assert "ckpt_path: " in capsys.readouterr().err
 
@@ -219,7 +209,7 @@ def test_item7_ckpt_path_last_takes_the_furthest_step_whatever_the_file_times(
     folder.mkdir(parents=True)
     torch.save({"hyper_parameters": hparams, "global_step": 6}, folder / "b.ckpt")
     torch.save({"hyper_parameters": hparams, "global_step": 2}, folder / "a.ckpt")  # written later
-    args = fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(tmp_path / "runs"))
+    args = lora_fit_args(tiny_model_dir, chat_file, "--trainer.default_root_dir", str(tmp_path / "runs"))
     assert checked([*args, "--ckpt_path", "last"])["ckpt_path"] == str(folder / "b.ckpt")
 
 
@@ -229,10 +219,9 @@ def test_a_resume_without_a_logger_never_writes_over_the_users_own_config_yaml(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "config.yaml").write_text("# my own notes\nmodel: {}\n")
     torch.save({"hyper_parameters": hparams, "global_step": 2}, tmp_path / "x.ckpt")
-    args = fit_args(
+    args = lora_fit_args(
         tiny_model_dir, chat_file, "--trainer.logger", "false", "--ckpt_path", str(tmp_path / "x.ckpt")
     )
-    args[args.index("--config") + 1 : args.index("--config") + 2] = [str(ROOT / "configs" / "lora.yaml")]
     with pytest.raises(SystemExit) as stop:
         main([*args, "--trainer.default_root_dir", "."])
     assert stop.value.code == 2
