@@ -26,6 +26,7 @@ from lit_instruct.adapter_folder import adapter_chat_template
 from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.callbacks.interrupt import forced_exit_status
 from lit_instruct.callbacks.terminal_progress import readable_bar
+from lit_instruct.cpu_threads import sharing_cores
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.data.records import DataError
@@ -503,8 +504,6 @@ def export_main(argv: list[str]) -> None:
     """``lit-instruct export``: a clean PEFT adapter folder, a standalone model (``--merge``), one
     GGUF file for llama.cpp / Ollama / LM Studio (``--gguf``, with ``--ollama`` a Modelfile beside it),
     or the adapter alone as a GGUF LoRA file for its base's GGUF (``--gguf-adapter``)."""
-    from lit_instruct.export.adapter import export_adapter, merge_adapter
-
     parser = argparse.ArgumentParser(prog="lit-instruct export", description=export_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")
     parser.add_argument("--out", required=True, help="output folder, or .gguf file (replaced atomically)")
@@ -528,6 +527,23 @@ def export_main(argv: list[str]) -> None:
     check_paths(args)
     if (args.gguf or args.gguf_adapter) and not args.out.endswith(".gguf"):
         args.out += ".gguf"  # a GGUF file is known by its suffix (llama.cpp, Ollama, LM Studio)
+    if args.ollama and not args.gguf:
+        parser.error("--ollama needs --gguf")
+    if not (args.gguf or args.gguf_adapter):
+        check_replaceable(args.out, "--out")  # before the base loads
+    with sharing_cores("export", say=say):
+        export_files(args)
+
+
+def say(line: str) -> None:
+    """A line for the user, on stderr (stdout holds what a command produces)."""
+    sys.stderr.write(line + "\n")
+
+
+def export_files(args: argparse.Namespace) -> None:
+    """What ``export`` writes, its arguments checked."""
+    from lit_instruct.export.adapter import export_adapter, merge_adapter
+
     if args.gguf_adapter:
         from lit_instruct.export.gguf_lora import write_lora_gguf
 
@@ -547,9 +563,6 @@ def export_main(argv: list[str]) -> None:
             modelfile = out.with_name(f"{out.stem}.Modelfile")
             sys.stdout.write(f"Modelfile written to {modelfile}: ollama create NAME -f {modelfile}\n")
         return
-    if args.ollama:
-        parser.error("--ollama needs --gguf")
-    check_replaceable(args.out, "--out")  # before the base loads
     out = (
         merge_adapter(args.adapter, args.out, args.base)
         if args.merge
@@ -582,16 +595,17 @@ def generate_main(argv: list[str]) -> None:
         {"role": "user", "content": args.prompt}
     ]
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    generate(
-        model,
-        tokenizer,
-        messages,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        streamer=streamer,
-        chat_template=adapter_chat_template(args.adapter, args.chat_template),
-    )
+    with sharing_cores("generation", say=say):
+        generate(
+            model,
+            tokenizer,
+            messages,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            streamer=streamer,
+            chat_template=adapter_chat_template(args.adapter, args.chat_template),
+        )
 
 
 def eval_main(argv: list[str]) -> None:
@@ -615,14 +629,17 @@ def eval_main(argv: list[str]) -> None:
     check_paths(args)
     args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
     module = load_adapter_module(args.adapter, args.model)  # once, for the numbers and the answers
-    results = evaluate(module, args.data, args.base, args.max_seq_len, args.batch_size, args.chat_template)
-    sys.stdout.write(results_table(results))
-    sys.stdout.flush()  # the table shows before the answers' progress (stderr) begins
-    if args.answers:
-        out = write_answers(
-            module, args.data, args.answers, args.max_new_tokens, args.chat_template, progress=sys.stderr
+    with sharing_cores("eval", say=say):
+        results = evaluate(
+            module, args.data, args.base, args.max_seq_len, args.batch_size, args.chat_template
         )
-        sys.stdout.write(f"answers written to {out}\n")
+        sys.stdout.write(results_table(results))
+        sys.stdout.flush()  # the table shows before the answers' progress (stderr) begins
+        if args.answers:
+            out = write_answers(
+                module, args.data, args.answers, args.max_new_tokens, args.chat_template, progress=sys.stderr
+            )
+            sys.stdout.write(f"answers written to {out}\n")
 
 
 def chat_main(argv: list[str]) -> None:
@@ -648,7 +665,8 @@ def chat_main(argv: list[str]) -> None:
     context = args.context_length or getattr(model.config, "max_position_embeddings", 2048)
     session = ChatSession(model, tokenizer, context, args.max_new_tokens, args.chat_template, args.system)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    run_chat(session, terminal_reader(), sys.stdout, streamer)
+    with sharing_cores("chat", say=say):
+        run_chat(session, terminal_reader(), sys.stdout, streamer)
 
 
 COMMANDS = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -10,7 +11,6 @@ import lightning as L
 import pytest
 import torch
 
-from lit_instruct.train import threads
 from lit_instruct.train.threads import ThreadBudget, machine_busy_seconds, own_busy_seconds, threads_for
 from tests.helpers import make, trainer
 
@@ -37,9 +37,7 @@ def test_the_free_cores_with_headroom_and_bounds() -> None:
 
 def test_busy_seconds_come_from_proc_stat() -> None:
     stat = "cpu  100 20 30 4000 50 6 7 8 0 0\ncpu0 1 2 3 4\n"
-    assert machine_busy_seconds(stat) == pytest.approx(
-        (100 + 20 + 30 + 6 + 7 + 8) / threads.os.sysconf("SC_CLK_TCK")
-    )
+    assert machine_busy_seconds(stat) == pytest.approx((100 + 20 + 30 + 6 + 7 + 8) / os.sysconf("SC_CLK_TCK"))
     before_machine, before_own = machine_busy_seconds(), own_busy_seconds()
     assert before_machine is not None
     end = time.monotonic() + 0.5
@@ -77,3 +75,59 @@ def test_alone_the_fit_keeps_its_threads(tiny_model_dir, chat_file, tmp_path) ->
     fit.fit(module, datamodule=data)
     assert set(seen.threads) == {2}
     assert any(isinstance(c, ThreadBudget) for c in fit.callbacks)  # the module attached one
+
+
+class ValidationThreads(L.Callback):
+    """The thread count each validation batch ran with."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self.threads.append(torch.get_num_threads())
+
+
+def busy_process() -> subprocess.Popen:
+    """A process in its own session that keeps a core busy (nice does not reach it)."""
+    spin = subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", "while True: pass"], start_new_session=True
+    )
+    time.sleep(0.5)
+    return spin
+
+
+def test_the_validation_before_a_fit_runs_on_the_free_core_too(
+    tiny_model_dir, chat_file, tmp_path, caplog
+) -> None:
+    """Issue 50: the budget started at the first training step, so the validation before it (and an
+    EVA pass, answers SampleScores generates) ran on every core beside a busy process."""
+    torch.set_num_threads(2)
+    spin = busy_process()
+    try:
+        module, data = make(tiny_model_dir, chat_file)
+        seen = ValidationThreads()
+        run = trainer(tmp_path, max_steps=2, callbacks=[seen])
+        with caplog.at_level("INFO"):
+            run.validate(module, datamodule=data, verbose=False)
+            run.fit(module, datamodule=data)
+    finally:
+        spin.kill()
+    assert seen.threads and set(seen.threads) == {1}
+    assert torch.get_num_threads() == 2
+    assert "validation on 1 thread (was 2)" in caplog.text
+    assert "validation before the fit: " in caplog.text and "of the command's" in caplog.text
+
+
+def test_a_command_outside_a_fit_runs_on_the_free_cores_and_gives_them_back() -> None:
+    from lit_instruct.cpu_threads import sharing_cores
+
+    torch.set_num_threads(2)
+    said: list[str] = []
+    spin = busy_process()
+    try:
+        with sharing_cores("generation", say=said.append):
+            inside = torch.get_num_threads()
+    finally:
+        spin.kill()
+    assert (inside, torch.get_num_threads()) == (1, 2)
+    assert len(said) == 1 and said[0].endswith("generation on 1 thread (was 2)"), said

@@ -48,6 +48,8 @@ class FitTotals:
     best_val_step: int | None  # as the loggers show it (:func:`logged_step`)
     steps: int = -1
     """Optimizer steps this fit took (a resumed one: since the resume); -1 when not counted."""
+    validated_before: float = 0.0
+    """Seconds the validation before the fit took (``trainer.validate`` on the same Trainer)."""
 
 
 def _duration(seconds: float) -> str:
@@ -89,6 +91,12 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
         lines.append(best)
     elif totals.best_val_loss is not None:
         lines.append(f"  best val/loss {totals.best_val_loss:.4f} at step {totals.best_val_step} (as logged)")
+    command = totals.seconds + totals.validated_before
+    if totals.validated_before > 0:
+        lines.append(
+            f"  validation before the fit: {totals.validated_before:.1f} s "
+            f"({totals.validated_before / command:.1%} of the command's {_duration(command)})"
+        )
     for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning at init, undeclared
         what, seconds = callback.fit_cost() if isinstance(callback, FitCost) else ("", 0.0)
         if seconds > 0:  # it did work in this fit
@@ -135,6 +143,15 @@ class FitReport(L.Callback):
         self.best_val: tuple[float, int] | None = None  # (val/loss, step)
         self.first_step = -1  # until training starts (it never does where max_steps is reached already)
         self.steps = 0
+        self.validated_before = 0.0
+        """Seconds of ``trainer.validate`` calls on this Trainer before its fit."""
+        self._validating_since: float | None = None
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # a validate call, not a fit's validation
+            self._validating_since = time.perf_counter()
+
         """Optimizer steps the last fit took (since its resume)."""
 
     @override
@@ -167,6 +184,9 @@ class FitReport(L.Callback):
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._validating_since is not None:
+            self.validated_before += time.perf_counter() - self._validating_since
+            self._validating_since = None
         loss = trainer.callback_metrics.get("val/loss")
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or loss is None:
             return
@@ -186,5 +206,8 @@ class FitReport(L.Callback):
             getattr(pl_module, "tokens_seen", 0),
             getattr(pl_module, "response_tokens_seen", 0),
         )
-        totals = FitTotals(seconds, tokens, response_tokens, best_loss, best_step, self.steps)
+        totals = FitTotals(
+            seconds, tokens, response_tokens, best_loss, best_step, self.steps, self.validated_before
+        )
+        self.validated_before = 0.0  # counted once: a later fit on this Trainer starts anew
         rank_zero_info(fit_summary(trainer, totals, getattr(pl_module, "saved_adapter", None)))
