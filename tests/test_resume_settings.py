@@ -228,3 +228,34 @@ def test_a_resume_without_a_logger_never_writes_over_the_users_own_config_yaml(
     assert "holds a config.yaml no fit saved" in capsys.readouterr().err
     (tmp_path / "config.yaml").write_text("# lightning.pytorch==2.6.6\nmodel: {}\n")  # one a fit saved
     checked([*args, "--trainer.default_root_dir", "."])
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_resume_has_no_false_warning_and_counts_its_own_tokens(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path, caplog
+) -> None:
+    """Issue 50: Lightning warned that our loader was not resumable (the feed keeps its place), and
+    the resumed fit's tokens/s divided the tokens from before the resume by the time after it."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers import make, trainer
+
+    def fit(max_steps: int, ckpt_path: Path | None = None):
+        module, data = make(tiny_model_dir, chat_file, batch_size=1)
+        keep = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+        run = trainer(tmp_path, max_steps=max_steps, limit_val_batches=0, enable_checkpointing=True)
+        run.callbacks.insert(0, keep)
+        run.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return module
+
+    first = fit(2)
+    caplog.clear()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("INFO"):
+        warnings.simplefilter("always")
+        resumed = fit(4, ckpt_path=next((tmp_path / "ckpt").glob("*step=2.ckpt")))
+    assert not [w for w in caught if "not resumable" in str(w.message)]
+    done = next(line for line in caplog.text.splitlines() if "fit done in" in line)
+    assert "4 optimizer steps (2 since the resume)" in done
+    assert f"{resumed.tokens_seen - first.tokens_seen:,} tokens (" in done

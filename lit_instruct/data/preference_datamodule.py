@@ -37,6 +37,7 @@ from lit_instruct.data.records import DataError, map_columns
 from lit_instruct.data.reference_cache import ReferenceFn, compute_reference
 from lit_instruct.data.sources import CHATTERBOT, DataSource, iter_source
 from lit_instruct.data.store import SampleStore
+from lit_instruct.data.training_feed import PositionKeptLoader
 from lit_instruct.data.validation import Rejects, check_vocabulary
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
@@ -382,7 +383,7 @@ class PreferenceDataModule(InstructDataModule):
     def train_dataloader(self) -> DataLoader:
         """The feed's order (seeded, sharded, resumable) over the pairs, ``batch_size`` pairs a batch."""
         loader = super().train_dataloader()  # the feed's sampler, over the pairs
-        return DataLoader(
+        return PositionKeptLoader(
             UncountedPairs(self.pairs("train")),
             batch_size=self.batch_size,
             sampler=loader.sampler,

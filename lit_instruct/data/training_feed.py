@@ -31,6 +31,18 @@ def _rank(trainer: L.Trainer | None) -> tuple[int, int]:
     return (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
 
 
+class PositionKeptLoader(DataLoader):
+    """A training ``DataLoader`` whose place in the epoch the data module's feed keeps (saved and
+    restored with the data module's state): it tells Lightning so, as a resumable loader, and
+    Lightning's warning that a mid-epoch resume is unreliable, false for it, is not given."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the position is the feed's (TrainingFeed.state_dict)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore here: the feed restores the position."""
+
+
 class SampledFeed:
     """Batches of :class:`InstructSampler`'s order over the prepared samples, built in the main
     process (they are tokenized already: workers would only add overhead), resumable mid-epoch."""
@@ -70,7 +82,7 @@ class SampledFeed:
             order_batch = state.get("order_batch") or (written if "batch_size" in state else ours)
             self.sampler.resume_at(state["epoch"], done, order_batch, state["batches_done"])
         dataset: Any = UncountedPadding(samples)  # the sampler's repeats run but count no token
-        return DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
+        return PositionKeptLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
 
     def state_dict(self, trainer: L.Trainer) -> dict[str, Any]:
         """The epoch and where it stands, from the Trainer's own progress (which counts what the loop
@@ -119,7 +131,7 @@ class StreamedFeed:
             shuffle_buffer=self.shuffle_buffer,
             resume=self._resume_position(rank, world),
         )
-        return DataLoader(self.stream, batch_size=batch_size, collate_fn=StreamCollator(collate))
+        return PositionKeptLoader(self.stream, batch_size=batch_size, collate_fn=StreamCollator(collate))
 
     def _resume_position(self, rank: int, world: int) -> Position:
         """This rank's position in the checkpoint's stream (the start without one)."""

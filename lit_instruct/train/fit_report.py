@@ -145,6 +145,7 @@ class FitReport(L.Callback):
         self.steps = 0
         self.validated_before = 0.0
         """Seconds of ``trainer.validate`` calls on this Trainer before its fit."""
+        self._tokens_before = (0, 0)
         self._validating_since: float | None = None
 
     @override
@@ -157,11 +158,16 @@ class FitReport(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.first_step = trainer.global_step  # a resumed fit's checkpoint is restored by now
+        self._tokens_before = (  # a resumed fit's counts go on from the checkpoint's
+            getattr(pl_module, "tokens_seen", 0),
+            getattr(pl_module, "response_tokens_seen", 0),
+        )
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = time.perf_counter()
         self.first_step = -1
+        self._tokens_before = (0, 0)
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         total = sum(p.numel() for p in pl_module.parameters())
         base = parameter_bytes(getattr(pl_module, "model", pl_module))
@@ -202,9 +208,9 @@ class FitReport(L.Callback):
             return
         best_loss, best_step = self.best_val or (None, None)
         seconds = time.perf_counter() - self._started
-        tokens, response_tokens = (
-            getattr(pl_module, "tokens_seen", 0),
-            getattr(pl_module, "response_tokens_seen", 0),
+        tokens, response_tokens = (  # this fit's: a resumed one's time divides the tokens after it
+            getattr(pl_module, "tokens_seen", 0) - self._tokens_before[0],
+            getattr(pl_module, "response_tokens_seen", 0) - self._tokens_before[1],
         )
         totals = FitTotals(
             seconds, tokens, response_tokens, best_loss, best_step, self.steps, self.validated_before
