@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,6 +35,7 @@ from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import check_replaceable
+from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
 from lit_instruct.preflight import check_adapter_dir, check_config, check_trains_something
@@ -41,7 +44,7 @@ from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.module import InstructLoRAModule
-from lit_instruct.train.preference_module import PreferenceLoRAModule
+from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
 from lit_instruct.train.trainer import InstructTrainer
 
 
@@ -96,10 +99,50 @@ class OneLineErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or debug_mode_active():
             super().error(message, ex)
-        prog = (getattr(ex, "subcommand_parser", None) or self).prog.replace(" [options]", "")
-        line = union_error(" ".join(message.split()))
-        sys.stderr.write(f"lit-instruct: config error: {line} (`{prog} --help` lists the settings)\n")
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "").split()
+        command = " ".join(["lit-instruct", *(prog[1:] or ["fit"])])  # not `__main__.py` (python -m)
+        line = in_our_words(union_error(" ".join(message.split())), list(parser._option_string_actions))
+        sys.stderr.write(f"lit-instruct: config error: {line} (`{command} --help` lists the settings)\n")
         raise SystemExit(2)
+
+
+SETTINGS_GROUPS = {"model.preference": PreferenceConfig, "model.lora": LoRAConfig}
+"""Groups of settings given as one value (a dataclass), whose keys the parser does not list."""
+
+
+def closest(name: str, names: list[str]) -> str:
+    """`` (closest: X)`` for the name of ``names`` nearest ``name``, or nothing."""
+    found = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    return f" (closest: {found[0]})" if found else ""
+
+
+def in_our_words(line: str, options: list[str]) -> str:
+    """jsonargparse's complaints about a value of a fixed set, a misspelt option or a misspelt key,
+    in our words, with the closest name: ``model.preference.kind: 'dpo2' is none of dpo, ipo, simpo,
+    orpo (closest: dpo)``."""
+    literal = re.match(
+        r'(?:Parser key "([^"]+)": |([\w.]+): )Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$', line
+    )
+    if literal:
+        key = literal.group(1) or literal.group(2)
+        choices = [choice.strip().strip("'\"") for choice in literal.group(3).split(",")]
+        value = literal.group(4)
+        return f"{key}: {value!r} is none of {', '.join(choices)}{closest(value, choices)}"
+    option = re.match(r"([\w.]+): Option '([^']+)' is not accepted$", line)
+    if option:
+        group, name = option.groups()
+        known = [o.removeprefix(f"--{group}.") for o in options if o.startswith(f"--{group}.")]
+        if group in SETTINGS_GROUPS:  # a dataclass given as one value: its fields
+            known = [f.name for f in fields(SETTINGS_GROUPS[group])]
+        return f"{group}.{name}: is not a setting{closest(name, known)}"
+    unknown = re.match(r"unrecognized arguments: (--[\w.]+)(.*)$", line)
+    if unknown:  # the closest name of the same group (``--trainer.``), the group's prefix left out
+        group, _, name = unknown.group(1).rpartition(".")
+        known = [o.removeprefix(f"{group}.") for o in options if o.startswith(f"{group}.")]
+        hint = closest(name, known)
+        return f"{unknown.group(1)}: is not a setting{hint.replace('closest: ', f'closest: {group}.')}"
+    return line
 
 
 def union_error(line: str) -> str:

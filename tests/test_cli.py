@@ -232,7 +232,11 @@ def test_the_bare_command_lists_every_command(capsys) -> None:
         ),
         (
             ["fit", "--trainer.no_such", "3"],
-            "lit-instruct: config error: unrecognized arguments: --trainer.no_such",
+            "lit-instruct: config error: --trainer.no_such: is not a setting (`lit-instruct fit --help` lists",
+        ),
+        (
+            ["fit", "--trainer.precison", "32"],
+            "lit-instruct: config error: --trainer.precison: is not a setting (closest: --trainer.precision)",
         ),
     ],
 )

@@ -128,16 +128,23 @@ MISTAKES = [
     ),
     (
         ["--model.preference.kind", "kto"],
-        "config error: model.preference.kind: Expected a typing.Literal['dpo', 'ipo', 'simpo', 'orpo']. Got "
-        "value: kto",
+        "config error: model.preference.kind: 'kto' is none of dpo, ipo, simpo, orpo (`lit-instruct fit --help",
     ),
     (
         ["--model.preference.bta", "0.2"],
-        "lit-instruct: config error: model.preference: Option 'bta' is not accepted",
+        "lit-instruct: config error: model.preference.bta: is not a setting (closest: beta)",
     ),
     (
         ["--model.lora.rr", "4"],
-        "lit-instruct: config error: model.lora.rr: is not a setting; the settings are r, alpha, dropout, ",
+        "lit-instruct: config error: model.lora.rr: is not a setting (closest: r); the settings are r, alpha, ",
+    ),
+    (
+        ["--model.preference.kind", "dpo2"],
+        "config error: model.preference.kind: 'dpo2' is none of dpo, ipo, simpo, orpo (closest: dpo)",
+    ),
+    (
+        ["--data.multi_turn", "jointt"],
+        "config error: data.multi_turn: 'jointt' is none of auto, joint, per_turn, last (closest: joint)",
     ),
     (
         ["--model.preference.kind", "simpo", "--model.preference.precompute_reference", "true"],

@@ -7,6 +7,7 @@ skeleton built on the meta device from its ``config.json``. ``fit`` and ``valida
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
 from collections.abc import Mapping
@@ -51,7 +52,11 @@ def _settings(kind: Any, values: Any, setting: str) -> Any:
     known = [f.name for f in fields(kind)]
     unknown = [key for key in values if key not in known]
     if unknown:
-        raise ConfigError(f"{setting}.{unknown[0]}", f"is not a setting; the settings are {', '.join(known)}")
+        near = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+        hint = f" (closest: {near[0]})" if near else ""
+        raise ConfigError(
+            f"{setting}.{unknown[0]}", f"is not a setting{hint}; the settings are {', '.join(known)}"
+        )
     return kind(**values)
 
 
