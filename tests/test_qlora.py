@@ -200,7 +200,7 @@ def test_export_writes_a_clean_adapter_and_refuses_non_finite_weights(tiny_model
     adapter = trained_adapter(tiny_model_dir, chat_file, tmp_path)
     (adapter / "optimizer.pt").write_bytes(b"not part of an adapter")
     out = export_adapter(adapter, tmp_path / "clean")
-    kept = ["adapter_config.json", "adapter_model.safetensors", "chat_template.jinja"]
+    kept = [".lit-instruct", "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja"]
     assert sorted(p.name for p in out.iterdir()) == kept
     assert (out / "chat_template.jinja").read_text() == (adapter / "chat_template.jinja").read_text()
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
