@@ -219,6 +219,22 @@ def check_log_dir(config: Mapping[str, Any], resuming: bool) -> bool:
     return True
 
 
+FP16_MIXED = ("16-mixed", "16")
+"""The precisions that ask fp16 autocast (Lightning's names)."""
+
+
+def on_the_cpu(accelerator: Any) -> bool:
+    """Whether ``trainer.accelerator`` runs on the CPU here (``auto`` without a GPU)."""
+    import torch
+
+    return str(accelerator) == "cpu" or (str(accelerator) == AUTO and not torch.cuda.is_available())
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class InstructCLI(LightningCLI):
     """LightningCLI for instruction tuning: the datamodule's tokenizer follows ``model.model``, and
     the model is built for packed rows when ``data.packing`` is on.
@@ -279,12 +295,27 @@ class InstructCLI(LightningCLI):
         ``config.yaml`` then records the choice."""
         config = self.parsed()
         trainer, model = config["trainer"], config["model"]
+        on_cpu = on_the_cpu(trainer.get("accelerator", AUTO))
         if trainer.get("precision") == AUTO:
             choice = auto_precision(trainer.get("accelerator", AUTO))
             trainer["precision"] = choice.precision
             rank_zero_info(f"lit-instruct: {choice.line()}")
+        elif (asked := str(trainer.get("precision"))) in FP16_MIXED and on_cpu:  # Lightning swaps it silently
+            trainer["precision"] = "bf16-mixed"
+            rank_zero_info(
+                f"lit-instruct: trainer.precision {asked} asks fp16 autocast, which is for GPUs: on the "
+                "CPU bf16-mixed (base weights bfloat16 where model.dtype is auto)"
+            )
         if model.get("dtype") == AUTO:
             model["dtype"] = base_dtype(AUTO, trainer.get("precision"))
+        asked, cores = str(trainer.get("devices")), usable_cores()
+        devices = int(asked) if asked.isdigit() else 0
+        if on_cpu and 1 < devices >= cores:
+            rank_zero_info(
+                f"lit-instruct: trainer.devices {devices} on a CPU of {cores} cores: each process gets "
+                f"{cores / devices:g} core{'s' * (cores != devices)}, slower than one process on all of them "
+                "(several CPU processes are for trying a multi-device setup, not for speed)"
+            )
 
     def follow_root_dir(self) -> None:
         """A ``trainer.default_root_dir`` set over the config file's holds everything the run writes:

@@ -147,6 +147,27 @@ def lora_fit_args(model: Path, chat_file: Path, *extra: str) -> list[str]:
     ]
 
 
+class Checked(Exception):
+    """Raised with the parsed config once checked as ``fit`` checks it, instead of loading weights."""
+
+
+def checked_config(args: list[str]) -> dict:
+    """``args`` (a ``fit`` command line) parsed and checked as ``fit`` does, no weights read: the
+    config as it would be instantiated."""
+    import pytest
+
+    from lit_instruct.cli import InstructCLI
+
+    class CheckedOnly(InstructCLI):
+        def instantiate_classes(self) -> None:
+            self.checked_config()
+            raise Checked(self.parsed().as_dict())
+
+    with pytest.raises(Checked) as parsed:
+        CheckedOnly(args=args)
+    return parsed.value.args[0]
+
+
 def tiny_adapter(model: Path, folder: Path) -> Path:
     """A LoRA adapter (rank 2, ``q_proj``) of ``model``, written at ``folder`` as training writes it."""
     from peft import LoraConfig, get_peft_model

@@ -232,7 +232,7 @@ def test_the_bare_command_lists_every_command(capsys) -> None:
         ),
         (
             ["fit", "--trainer.no_such", "3"],
-            "lit-instruct: config error: --trainer.no_such: is not a setting (`lit-instruct fit --help` lists",
+            "lit-instruct: config error: --trainer.no_such: is not a setting (`lit-instruct fit --help`",
         ),
         (
             ["fit", "--trainer.precison", "32"],
@@ -246,3 +246,38 @@ def test_a_command_line_mistake_is_one_line_with_status_2(argv: list[str], expec
     assert stopped.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith(expected), err
+
+
+def test_16_mixed_on_the_cpu_is_bf16_mixed_said_in_our_words(tiny_model_dir, chat_file, caplog) -> None:
+    """Issue 50: Lightning swapped it with a line of its own, and the base stayed fp32 under bf16."""
+    from tests.helpers import checked_config, lora_fit_args
+
+    args = lora_fit_args(
+        tiny_model_dir, chat_file, "--trainer.accelerator", "cpu", "--trainer.precision", "16-mixed"
+    )
+    with caplog.at_level("INFO"):
+        config = checked_config(args)
+    assert (config["trainer"]["precision"], config["model"]["dtype"]) == ("bf16-mixed", "bfloat16")
+    assert (
+        "trainer.precision 16-mixed asks fp16 autocast, which is for GPUs: on the CPU bf16-mixed"
+        in caplog.text
+    )
+
+
+def test_as_many_cpu_processes_as_cores_are_said_to_be_slower(tiny_model_dir, chat_file, caplog) -> None:
+    import os
+
+    from tests.helpers import checked_config, lora_fit_args
+
+    cores = len(os.sched_getaffinity(0))
+    devices = max(2, cores)
+    args = lora_fit_args(
+        tiny_model_dir, chat_file, "--trainer.accelerator", "cpu", "--trainer.devices", str(devices)
+    )
+    with caplog.at_level("INFO"):
+        checked_config([*args, "--trainer.strategy", "ddp_lora"])
+    assert f"trainer.devices {devices} on a CPU of {cores} cores: each process gets" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        checked_config(lora_fit_args(tiny_model_dir, chat_file, "--trainer.accelerator", "cpu"))
+    assert "each process gets" not in caplog.text

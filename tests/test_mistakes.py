@@ -128,7 +128,7 @@ MISTAKES = [
     ),
     (
         ["--model.preference.kind", "kto"],
-        "config error: model.preference.kind: 'kto' is none of dpo, ipo, simpo, orpo (`lit-instruct fit --help",
+        "config error: model.preference.kind: 'kto' is none of dpo, ipo, simpo, orpo (`lit-instruct fit",
     ),
     (
         ["--model.preference.bta", "0.2"],
@@ -136,7 +136,7 @@ MISTAKES = [
     ),
     (
         ["--model.lora.rr", "4"],
-        "lit-instruct: config error: model.lora.rr: is not a setting (closest: r); the settings are r, alpha, ",
+        "lit-instruct: config error: model.lora.rr: is not a setting (closest: r); the settings are r, ",
     ),
     (
         ["--model.preference.kind", "dpo2"],

@@ -12,25 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_instruct.cli import InstructCLI, main
+from lit_instruct.cli import main
 from lit_instruct.models.lora import LoRAConfig
-from tests.helpers import lora_fit_args
-
-
-class Checked(Exception):
-    """Raised with the parsed config once checked as ``fit`` checks it, instead of loading weights."""
-
-
-class CheckedOnly(InstructCLI):
-    def instantiate_classes(self) -> None:
-        self.checked_config()
-        raise Checked(self.parsed().as_dict())
+from tests.helpers import checked_config, lora_fit_args
 
 
 def checked(args: list[str]) -> dict:
-    with pytest.raises(Checked) as parsed:
-        CheckedOnly(args=args)
-    return parsed.value.args[0]
+    return checked_config(args)
 
 
 @pytest.fixture
