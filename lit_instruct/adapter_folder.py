@@ -95,6 +95,7 @@ def save_adapter(
     convert: Callable[[Path], None] | None = None,
     base: str | None = None,
     setting: str = "model.adapter_dir",
+    card: str | None = None,
 ) -> Path:
     """Save ``peft_model``'s adapter (``adapter_model.safetensors`` + ``adapter_config.json``), from
     ``state_dict`` when given (whole tensors gathered from a sharded model), the ``chat_template``
@@ -102,7 +103,8 @@ def save_adapter(
     and a ``tokenizer`` grown by new tokens. ``convert`` rewrites the saved adapter in its folder
     before it appears (a residual init's to plain LoRA); ``base``, the model name the user gave, is
     recorded as its portable name. ``setting`` names the folder in the error when it holds files
-    lit-instruct did not write (:func:`~lit_instruct.io.check_replaceable`): it is never replaced."""
+    lit-instruct did not write (:func:`~lit_instruct.io.check_replaceable`): it is never replaced.
+    ``card``: the model card (``README.md``) to write instead of peft's."""
     from peft import get_peft_model_state_dict
 
     check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
@@ -120,6 +122,8 @@ def save_adapter(
             tokenizer.save_pretrained(staging)  # its own chat_template.jinja, replaced just below
         if chat_template is not None:
             (staging / CHAT_TEMPLATE).write_text(chat_template, encoding="utf-8")
+        if card is not None:  # over peft's, which knows neither the data nor how it was trained
+            (staging / MODEL_CARD).write_text(card, encoding="utf-8")
     return Path(target)
 
 

