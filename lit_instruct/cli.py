@@ -268,7 +268,9 @@ class InstructCLI(LightningCLI):
         parser.add_argument(
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
         )
-        parser.set_defaults({"model.dtype": AUTO})
+        # the fit report's parameter line replaces Lightning's summary table (its size and FLOPs are
+        # estimates that disagree with the base's real bytes)
+        parser.set_defaults({"model.dtype": AUTO, "trainer.enable_model_summary": False})
 
     def parsed(self) -> Namespace:
         """The parsed config of the subcommand being run (changes to it reach what is instantiated)."""
@@ -813,6 +815,15 @@ def one_line_failure(error: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def quiet_progress_bars() -> None:
+    """No progress bars of ``transformers`` (loading weights) and ``datasets`` (reading tables)."""
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
 DEBUG_ENV = "LIT_INSTRUCT_DEBUG"
 """Set (to anything but ``0`` or empty), a user's mistake shows its traceback too, as ``--debug`` does."""
 
@@ -827,6 +838,8 @@ def main(argv: list[str] | None = None) -> None:
     if not command or command[0] in ("-h", "--help"):
         sys.stdout.write(OVERVIEW)
         return
+    if not sys.stderr.isatty():  # a log file: a bar's carriage returns become one long line
+        quiet_progress_bars()
     if not command[0].startswith("-") and command[0] not in (*COMMANDS, *LIGHTNING_COMMANDS):
         known = ", ".join((*LIGHTNING_COMMANDS, *COMMANDS))
         sys.stderr.write(f"lit-instruct: {command[0]!r} is no command; the commands are {known}\n")

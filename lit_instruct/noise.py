@@ -10,15 +10,22 @@ from __future__ import annotations
 import logging
 import warnings
 
-LOG_LINES = {
+LOG_LINES = (
     # Lightning advertises its cloud logger on every fit that does not use it
-    "lightning.pytorch.utilities.rank_zero": "💡 Tip: For seamless cloud logging",
+    ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging"),
+    # Lightning's own account of the devices and the precision: lit-instruct's precision line says both
+    ("lightning.pytorch.utilities.rank_zero", "Automatic Mixed Precision (AMP)"),
+    ("lightning.pytorch.utilities.rank_zero", "GPU available: "),
+    ("lightning.pytorch.utilities.rank_zero", "TPU available: "),
+    ("lightning.pytorch.utilities.rank_zero", "to estimate number of stepping batches"),
+    # the seed is in the config (seed_everything) and in config.yaml
+    ("lightning.fabric.utilities.seed", "Seed set to "),
     # peft imports bitsandbytes whenever it is installed, and on an AVX512-BF16 CPU bitsandbytes says it
     # could not fetch a hub kernel for its repacked 4-bit CPU layout, which lit-instruct switches off
     # (lit_instruct.models.four_bit)
-    "bitsandbytes.backends.cpu.ops": "kernels-community",
-}
-"""Logger -> the start (or a part) of the record it emits that is dropped."""
+    ("bitsandbytes.backends.cpu.ops", "kernels-community"),
+)
+"""(logger, the start or a part of a record it emits that is dropped)."""
 
 WARNINGS = (
     # Lightning's own pytree helper uses a class torch has deprecated: for Lightning to change
@@ -46,7 +53,7 @@ class _DropLine(logging.Filter):
 
 def silence_known_noise() -> None:
     """Install the filters (idempotent)."""
-    for name, part in LOG_LINES.items():
+    for name, part in LOG_LINES:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropLine) and f.part == part for f in logger.filters):
             logger.addFilter(_DropLine(part))

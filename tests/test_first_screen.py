@@ -17,7 +17,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 NOISE = re.compile(
     r"^\S+\.py:\d+: "  # a Python warning as `warnings` and Lightning print it
-    r"|Tip:|deprecat|will override existing callbacks|FutureWarning|DeprecationWarning|Traceback",
+    r"|Tip:|deprecat|will override existing callbacks|FutureWarning|DeprecationWarning|Traceback"
+    # Lightning's account of devices and precision (ours says both), its seed line, its summary table
+    # (its size and FLOPs estimates), and progress bars' carriage returns in a log (issue 50)
+    r"|GPU available:|TPU available:|Automatic Mixed Precision|Seed set to|Total FLOPs|Loading weights"
+    r"|stepping batches",
     re.IGNORECASE | re.MULTILINE,
 )
 
@@ -38,6 +42,10 @@ def test_the_noise_pattern_finds_what_it_is_for() -> None:
         "callbacks passed to Trainer: FitReport",
         "💡 Tip: For seamless cloud logging and experiment tracking, try installing [litlogger]",
         "/x/transformers/modeling_utils.py:3312: FutureWarning: `is_gradient_checkpointing` is deprecated",
+        "GPU available: False, used: False",
+        "Seed set to 42",
+        "Loading weights:   0%|          | 0/20 [00:00<?, ?it/s]Loading weights: 100%|",
+        "Total FLOPs: 0",
     ]
     assert all(NOISE.search(line) for line in noise)
     assert not NOISE.search("lit-instruct: fit done in 0m14s: 2 optimizer steps\nstep 2/2 (100%) loss 3.57")
