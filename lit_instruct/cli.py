@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import errno
 import os
 import re
@@ -28,12 +27,12 @@ from lit_instruct.adapter_folder import adapter_chat_template
 from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.callbacks.interrupt import forced_exit_status
 from lit_instruct.callbacks.terminal_progress import readable_bar
-from lit_instruct.cpu_threads import sharing_cores
+from lit_instruct.cpu_threads import sharing_cores, usable_cores
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
-from lit_instruct.errors import ConfigError
+from lit_instruct.errors import ConfigError, closest
 from lit_instruct.io import check_replaceable
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.output_head import UnsupportedModelError
@@ -109,12 +108,6 @@ class OneLineErrorParser(LightningArgumentParser):
 
 SETTINGS_GROUPS = {"model.preference": PreferenceConfig, "model.lora": LoRAConfig}
 """Groups of settings given as one value (a dataclass), whose keys the parser does not list."""
-
-
-def closest(name: str, names: list[str]) -> str:
-    """`` (closest: X)`` for the name of ``names`` nearest ``name``, or nothing."""
-    found = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    return f" (closest: {found[0]})" if found else ""
 
 
 def in_our_words(line: str, options: list[str]) -> str:
@@ -228,11 +221,6 @@ def on_the_cpu(accelerator: Any) -> bool:
     import torch
 
     return str(accelerator) == "cpu" or (str(accelerator) == AUTO and not torch.cuda.is_available())
-
-
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class InstructCLI(LightningCLI):

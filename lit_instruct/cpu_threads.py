@@ -54,6 +54,11 @@ def threads_for(cores: int, others: float, ceiling: int) -> int:
     return max(1, min(ceiling, math.floor(cores - others + HEADROOM)))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class CoreShare:
     """``torch.set_num_threads`` to the cores the rest of the machine leaves free: a first look when
     started, a new look at :meth:`check` every ``every_s`` seconds, the threads it found given back
@@ -69,7 +74,7 @@ class CoreShare:
         if self.active or machine_busy_seconds() is None:
             return
         self.active, self.what = True, what
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.cores = usable_cores()
         self.ceiling = torch.get_num_threads()
         self._mark()
         time.sleep(FIRST_LOOK_S)  # idle: what the others use while this process does not compete

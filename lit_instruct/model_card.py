@@ -9,6 +9,18 @@ from typing import Any
 
 from lit_instruct.model_names import bundled_name, portable_name
 
+
+def installed_version() -> str:
+    """lit-instruct's version as installed (read from its metadata: the package's ``__init__`` is a
+    floor above this module)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lit-instruct")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 LORA_SHOWN = ("r", "alpha", "dropout", "target_modules", "use_rslora", "use_dora", "init")
 """The LoRA settings a card lists."""
 
@@ -27,8 +39,6 @@ class TrainingCard:
 
     def text(self) -> str:
         """The card as Markdown with the Hub's front matter."""
-        from lit_instruct import __version__
-
         base = portable_name(self.base)
         loss = "response tokens only" if self.objective == "sft" else "preference pairs"
         lines = [
@@ -40,8 +50,8 @@ class TrainingCard:
             "",
             f"# LoRA adapter of {base}",
             "",
-            f"Trained with lit-instruct {__version__}: {self.objective.upper()} (the loss on {loss}), "
-            f"{self.steps} optimizer steps.",
+            f"Trained with lit-instruct {installed_version()}: {self.objective.upper()} (the loss on "
+            f"{loss}), {self.steps} optimizer steps.",
         ]
         if bundled_name(self.base) is not None:
             lines += [

@@ -7,7 +7,6 @@ skeleton built on the meta device from its ``config.json``. ``fit`` and ``valida
 
 from __future__ import annotations
 
-import difflib
 import os
 import warnings
 from collections.abc import Mapping
@@ -17,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from lit_instruct.errors import ConfigError
+from lit_instruct.errors import ConfigError, closest
 from lit_instruct.io import check_replaceable
 from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.models.four_bit import require_bitsandbytes
@@ -52,10 +51,9 @@ def _settings(kind: Any, values: Any, setting: str) -> Any:
     known = [f.name for f in fields(kind)]
     unknown = [key for key in values if key not in known]
     if unknown:
-        near = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
-        hint = f" (closest: {near[0]})" if near else ""
         raise ConfigError(
-            f"{setting}.{unknown[0]}", f"is not a setting{hint}; the settings are {', '.join(known)}"
+            f"{setting}.{unknown[0]}",
+            f"is not a setting{closest(unknown[0], known)}; the settings are {', '.join(known)}",
         )
     return kind(**values)
 
