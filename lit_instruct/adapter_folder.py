@@ -86,6 +86,17 @@ def record_base(folder: Path, base: str) -> None:
         model_card.save(card)
 
 
+def adapter_tensors(peft_model: Any, state_dict: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under their saved names, as :func:`save_adapter` writes them.
+
+    ``save_embedding_layers=False`` as in the save: peft's default (``"auto"``) asks the Hub whether the
+    base's vocabulary changed, a network call (or, offline, a "Could not find a config file" warning)
+    for a base named by its hub id; a grown vocabulary's rows are the adapter's own tensors anyway."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(peft_model, state_dict=state_dict, save_embedding_layers=False)
+
+
 def save_adapter(
     peft_model: Any,
     target: str | Path,
@@ -105,9 +116,7 @@ def save_adapter(
     recorded as its portable name. ``setting`` names the folder in the error when it holds files
     lit-instruct did not write (:func:`~lit_instruct.io.check_replaceable`): it is never replaced.
     ``card``: the model card (``README.md``) to write instead of peft's."""
-    from peft import get_peft_model_state_dict
-
-    check_finite(get_peft_model_state_dict(peft_model, state_dict=state_dict), f"adapter for {target}")
+    check_finite(adapter_tensors(peft_model, state_dict), f"adapter for {target}")
     with atomic_directory(target, setting=setting) as staging:
         # a grown vocabulary's rows are the adapter's own tensors: the loaders grow the base's rows, so
         # peft need not add copies of the whole embedding and head

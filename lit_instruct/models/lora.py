@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lit_instruct.adapter_folder import read_config, read_weights
+from lit_instruct.adapter_folder import adapter_tensors, read_config, read_weights
 from lit_instruct.errors import ConfigError
 from lit_instruct.models.lora_targets import (
     LoRAConfigError,
@@ -168,7 +168,7 @@ def load_lora(model: nn.Module, adapter: str | Path) -> Any:
     Raises:
         ValueError: when a saved tensor has no place in ``model`` (another base) or is not finite.
     """
-    from peft import PeftModel, get_peft_model_state_dict
+    from peft import PeftModel
 
     folder = Path(adapter)
     saved = read_weights(folder)
@@ -176,7 +176,7 @@ def load_lora(model: nn.Module, adapter: str | Path) -> Any:
         peft_model: Any = PeftModel.from_pretrained(model, folder, is_trainable=True)
     except (RuntimeError, ValueError) as failure:  # size mismatch, target modules not found
         raise ConfigError("model.adapter", f"{folder} does not fit this base model: {failure}") from failure
-    loaded = get_peft_model_state_dict(peft_model)
+    loaded = adapter_tensors(peft_model)
     unplaced = sorted(set(saved) ^ set(loaded))
     if unplaced:
         raise ConfigError(

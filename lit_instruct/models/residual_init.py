@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lit_instruct.adapter_folder import adapter_tensors
 from lit_instruct.rules import is_residual_init
 
 __all__ = ["as_plain_lora", "initial_adapter", "is_residual_init", "loftq_initialise"]
@@ -26,9 +27,7 @@ __all__ = ["as_plain_lora", "initial_adapter", "is_residual_init", "loftq_initia
 
 def initial_adapter(peft_model: Any) -> dict[str, torch.Tensor]:
     """The adapter weights right after a residual init (``A0, B0``), under their saved names."""
-    from peft import get_peft_model_state_dict
-
-    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return {k: v.detach().clone() for k, v in adapter_tensors(peft_model).items()}
 
 
 def as_plain_lora(folder: Path, initial: dict[str, torch.Tensor]) -> None:

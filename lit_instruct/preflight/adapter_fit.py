@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from lit_instruct.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_config
+from lit_instruct.adapter_folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_tensors, read_config
 from lit_instruct.errors import ConfigError
 
 
@@ -86,7 +86,7 @@ def adapter_on_skeleton(adapter: str, skeleton: nn.Module, model: str) -> Any:
         ConfigError: ``model.adapter`` is no PEFT LoRA folder, or a saved LoRA tensor has no place
             of its shape in this base (an adapter of another base).
     """
-    from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
+    from peft import PeftConfig, get_peft_model
 
     folder = check_adapter_folder(adapter)
     config = PeftConfig.from_pretrained(str(folder))
@@ -102,7 +102,7 @@ def adapter_on_skeleton(adapter: str, skeleton: nn.Module, model: str) -> Any:
             wrapped = get_peft_model(skeleton, config)
         except ValueError as failure:  # its target modules are not in this base
             raise _another_base(adapter, model, config, str(failure).splitlines()[0]) from None
-    placed = {key: tuple(t.shape) for key, t in get_peft_model_state_dict(wrapped).items()}
+    placed = {key: tuple(t.shape) for key, t in adapter_tensors(wrapped).items()}
     for key, shape in saved_shapes(folder / ADAPTER_WEIGHTS).items():
         if "lora_" not in key:  # grown embedding rows and modules saved whole: checked at load
             continue
