@@ -118,3 +118,22 @@ def test_a_resume_at_max_steps_takes_no_step_says_so_and_prints_no_try_it_line(
     said = caplog.text
     assert "it took no optimizer step" in said and "had reached trainer.max_steps 2 already" in said
     assert "try it" not in said
+
+
+@pytest.mark.parametrize("command", ["fit", "check"])
+def test_every_pair_cut_below_the_floor_names_max_seq_len_and_the_counts(
+    command: str, unreadable_model: Path, tmp_path: Path, capsys
+) -> None:
+    """max_seq_len 8 keeps 4 tokens of each answer: a preference between first words is refused."""
+    pairs = tmp_path / "pairs.jsonl"
+    answer = "The answer takes a good many words to say, more than a few tokens can hold, {}."
+    rows = [
+        {"prompt": f"Question {n}?", "chosen": answer.format("yes"), "rejected": answer.format(f"no {n}")}
+        for n in range(3)
+    ]
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    line = refused(args(command, unreadable_model, pairs, tmp_path, "--data.max_seq_len", "8"), capsys)
+    assert line == (
+        "lit-instruct: config error: data.max_seq_len: 8: every pair's answers cut to under 16 tokens "
+        f"(3 of 3 pairs of {pairs}); raise it"
+    )

@@ -367,7 +367,8 @@ def to_preference_record(raw: Any, source: str) -> PreferenceRecord:
 @dataclass(frozen=True)
 class PreferencePair:
     """Tokenized chosen and rejected samples: the same ``prompt_length`` first tokens, labels only on
-    each answer; ``truncated`` when the pair was cut to fit; ``reference``: the reference model's
+    each answer; ``truncated`` when the pair was cut to fit, ``shortest_cut_answer`` the fewest tokens
+    an answer that lost its end kept (``None``: no answer lost its end); ``reference``: the reference model's
     summed log-probabilities of the chosen and rejected answer, once computed
     (:mod:`lit_instruct.data.reference_cache`)."""
 
@@ -376,6 +377,7 @@ class PreferencePair:
     prompt_length: int
     truncated: bool = False
     reference: tuple[float, float] | None = None
+    shortest_cut_answer: int | None = None
 
 
 def _prompt_length(sample: Sample, field: str, source: str) -> int:
@@ -440,7 +442,8 @@ class PreferenceRenderer:
         if longest <= limit:
             return PreferencePair(chosen, rejected, prompt)
         answer_budget = max(limit - prompt, limit // 2)
-        answers = [min(len(s.input_ids) - prompt, answer_budget) for s in (chosen, rejected)]
+        whole = [len(s.input_ids) - prompt for s in (chosen, rejected)]
+        answers = [min(length, answer_budget) for length in whole]
         keep = limit - max(answers)  # the prompt's last ``keep`` tokens
         start = prompt - min(prompt, keep)
 
@@ -450,8 +453,13 @@ class PreferenceRenderer:
                 sample.input_ids[start:end], sample.labels[start:end], sample.source, len(sample.input_ids)
             )
 
+        cut_answers = [kept for kept, length in zip(answers, whole, strict=True) if kept < length]
         return PreferencePair(
-            cut(chosen, answers[0]), cut(rejected, answers[1]), prompt - start, truncated=True
+            cut(chosen, answers[0]),
+            cut(rejected, answers[1]),
+            prompt - start,
+            truncated=True,
+            shortest_cut_answer=min(cut_answers, default=None),
         )
 
 

@@ -43,6 +43,11 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.rules import shown
 
+MIN_CUT_ANSWER_TOKENS = 16
+"""A pair whose truncation left an answer fewer tokens than this is counted as ``answers_cut_short``;
+when every training pair is, the fit is refused (a preference between answers' first few tokens)."""
+ANSWERS_CUT_SHORT = "answers_cut_short"
+
 
 class PairStore(Sequence[PreferencePair]):
     """The pairs of one split, with the index of the source each came from (``names`` are the
@@ -334,10 +339,28 @@ class PreferenceDataModule(InstructDataModule):
                 counts["dropped_too_long"] += 1
                 continue
             counts["truncated"] += pair.truncated
+            cut = pair.shortest_cut_answer
+            counts[ANSWERS_CUT_SHORT] += cut is not None and cut < MIN_CUT_ANSWER_TOKENS
             pairs.append(pair)
         counts["pairs"] += len(pairs)
         counts["response_tokens"] += sum(p.chosen.num_targets + p.rejected.num_targets for p in pairs)
         return pairs
+
+    def nothing_to_train(self) -> ConfigError | None:
+        """As for conversations, and also when every training pair's answers were cut to under
+        :data:`MIN_CUT_ANSWER_TOKENS` tokens: a preference between answers' first few tokens."""
+        nothing = super().nothing_to_train()
+        if nothing is not None:
+            return nothing
+        totals = self._prepared().totals("train")
+        if totals["pairs"] and totals[ANSWERS_CUT_SHORT] == totals["pairs"]:
+            named = ", ".join(source.path for source in self.sources)
+            return ConfigError(
+                "data.max_seq_len",
+                f"{self.settings.max_seq_len}: every pair's answers cut to under {MIN_CUT_ANSWER_TOKENS} "
+                f"tokens ({totals['pairs']} of {totals['pairs']} pairs of {named}); raise it",
+            )
+        return None
 
     def pairs(self, split: str) -> PairStore:
         """The ``train`` or ``val`` pairs (after :meth:`setup`)."""
