@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_args
 
 import lightning as L
 import yaml
@@ -33,6 +33,7 @@ from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError, closest
+from lit_instruct.fit_help import HELP_ALL, short_help
 from lit_instruct.io import check_replaceable
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.output_head import UnsupportedModelError
@@ -673,12 +674,17 @@ def generate_main(argv: list[str]) -> None:
 
 
 def eval_main(argv: list[str]) -> None:
-    """``lit-instruct eval``: token-weighted loss and perplexity of an adapter on held-out files."""
+    """``lit-instruct eval``: token-weighted loss and perplexity of an adapter on held-out files; on
+    preference pairs, its preference metrics against a reference (the base, or ``--reference``)."""
+    from lit_instruct.data.kind import holds_pairs
     from lit_instruct.infer.evaluate import evaluate, load_adapter_module, results_table, write_answers
+    from lit_instruct.loss.preference import PreferenceKind
 
     parser = argparse.ArgumentParser(prog="lit-instruct eval", description=eval_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")
-    parser.add_argument("--data", required=True, nargs="+", help="held-out files (any format training reads)")
+    parser.add_argument(
+        "--data", required=True, nargs="+", help="held-out files (any format training reads), or pairs files"
+    )
     parser.add_argument("--model", help="base model (default: the adapter's base_model_name_or_path)")
     parser.add_argument("--base", action="store_true", help="also measure the base model, side by side")
     parser.add_argument("--max-seq-len", type=int, default=512)
@@ -689,9 +695,27 @@ def eval_main(argv: list[str]) -> None:
         help="write each record's prompt, reference and answer to this JSONL (progress on stderr)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument(
+        "--reference",
+        help="pairs: the reference, an adapter of the same base and LoRA structure (default: the base)",
+    )
+    parser.add_argument(
+        "--loss",
+        choices=get_args(PreferenceKind),
+        help="pairs: the loss (default: the adapter's recorded, else dpo)",
+    )
+    parser.add_argument(
+        "--beta", type=float, help="pairs: the loss's beta (default: the adapter's recorded, else 0.1)"
+    )
     args = parser.parse_args(argv)
     check_paths(args)
     args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
+    if holds_pairs(args.data, "--data"):  # told from the files, before any weight is read
+        eval_pairs(args)
+        return
+    for flag in ("reference", "loss", "beta"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag}", f"applies to preference pairs; {args.data[0]} holds conversations")
     module = load_adapter_module(args.adapter, args.model)  # once, for the numbers and the answers
     with sharing_cores("eval", say=say):
         results = evaluate(
@@ -704,6 +728,26 @@ def eval_main(argv: list[str]) -> None:
                 module, args.data, args.answers, args.max_new_tokens, args.chat_template, progress=sys.stderr
             )
             sys.stdout.write(f"answers written to {out}\n")
+
+
+def eval_pairs(args: argparse.Namespace) -> None:
+    """``eval`` on pairs files: the options checked and the reference's folder read before any
+    weight, then the table of the adapter's preference metrics."""
+    from lit_instruct.infer import evaluate_pairs as pairs
+    from lit_instruct.preflight.adapter_fit import check_adapter_folder
+
+    pairs.refuse_for_pairs(args.base, args.answers)
+    config, origin = pairs.pair_settings(args.adapter, args.loss, args.beta)
+    if args.reference is not None:
+        check_adapter_folder(args.reference, "--reference")
+        pairs.check_reference(args.adapter, args.reference, config)
+    say(pairs.settings_line(config, origin, args.reference))
+    module = pairs.load_pair_module(args.adapter, config, args.model, args.reference)
+    with sharing_cores("eval", say=say):
+        results = pairs.evaluate_pairs(
+            module, args.data, args.max_seq_len, args.batch_size, args.chat_template
+        )
+        sys.stdout.write(pairs.pairs_table(results))
 
 
 def chat_main(argv: list[str]) -> None:
@@ -754,7 +798,7 @@ OVERVIEW = """lit-instruct: instruction fine-tuning of causal LMs with LoRA and 
   export     a clean PEFT folder, a merged model (--merge), GGUF for llama.cpp/Ollama (--gguf)
   generate   answer one prompt with an adapter
   chat       a multi-turn chat in the terminal
-  eval       loss and perplexity of an adapter on held-out files (--answers: its answers)
+  eval       an adapter's loss and perplexity on held-out files, or its preference metrics on pairs
 
 `lit-instruct COMMAND --help` shows a command's settings; docs: README.md and docs/ in the repository.
 """
@@ -825,6 +869,11 @@ def main(argv: list[str] | None = None) -> None:
     command = [arg for arg in command if arg != "--debug"]
     if not command or command[0] in ("-h", "--help"):
         sys.stdout.write(OVERVIEW)
+        return
+    if command[0] in LIGHTNING_COMMANDS and HELP_ALL in command:
+        command = ["--help" if arg == HELP_ALL else arg for arg in command]
+    elif command[0] in LIGHTNING_COMMANDS and {"-h", "--help"} & set(command):
+        sys.stdout.write(short_help(command[0]))
         return
     if not sys.stderr.isatty():  # a log file: a bar's carriage returns become one long line
         quiet_progress_bars()

@@ -52,6 +52,13 @@ SHAREGPT_ROLES = {
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Where assistant turns keep their reasoning; templates are given it under the first two names."""
 PAIRS_HINT = "SFT trains on demonstrations; preference pairs train with model.preference: configs/dpo.yaml"
+
+
+def is_pair(raw: Any) -> bool:
+    """Whether a raw record is a preference pair (it has a ``chosen`` answer), not a demonstration."""
+    return isinstance(raw, dict) and "chosen" in raw
+
+
 REFUSED_FIELDS = {
     "images": "images (text-only training: the model would learn answers about pictures it never saw)",
     "videos": "videos (text-only training)",
@@ -606,7 +613,7 @@ def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
         if all(key in raw for key in fmt.detect):
             return name  # type: ignore[return-value]  # FORMATS' keys are RecordFormat's (tested)
     labels = [fmt.label for fmt in FORMATS.values()]
-    pairs = f"; 'chosen'/'rejected' are a preference pair ({PAIRS_HINT})" if "chosen" in raw else ""
+    pairs = f"; 'chosen'/'rejected' are a preference pair ({PAIRS_HINT})" if is_pair(raw) else ""
     raise DataError(
         source,
         f"record has keys {sorted(raw)}; expected {', '.join(labels[:-1])} or {labels[-1]} (map other "

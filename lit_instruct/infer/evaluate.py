@@ -81,6 +81,12 @@ def results_table(results: Mapping[str, Mapping[str, float]]) -> str:
     rows = [["model", *columns]]
     for label, metrics in results.items():
         rows.append([label, *(_cell(name, metrics.get(name)) for name in columns)])
+    return aligned(rows)
+
+
+def aligned(rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` (a header first) as lines: the first column left-aligned, the others right-aligned,
+    two spaces apart."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     lines = []
     for label, *cells in rows:

@@ -605,7 +605,8 @@ class InstructLoRAModule(L.LightningModule):
 
     def training_card(self) -> TrainingCard:
         """What the adapter's model card says: base, objective, LoRA settings, the training sources'
-        counts (an :class:`InstructDataModule`'s), the steps and the last ``val/*`` metrics."""
+        counts (an :class:`InstructDataModule`'s), the steps, the last ``val/*`` metrics and the
+        preference settings of a preference run."""
         trainer = self._trainer
         preference = self.hparams.get("preference")
         objective = str(preference.get("kind", "dpo")) if isinstance(preference, dict) else "sft"
@@ -616,4 +617,6 @@ class InstructLoRAModule(L.LightningModule):
             if name.startswith("val/") and value.numel() == 1:
                 metrics[name] = float(value)
         steps = trainer.global_step if trainer is not None else 0
-        return TrainingCard(self.hparams["model"], objective, self.hparams["lora"], steps, sources, metrics)
+        settings = preference if isinstance(preference, dict) else None  # what ``eval`` reads back
+        lora = self.hparams["lora"]
+        return TrainingCard(self.hparams["model"], objective, lora, steps, sources, metrics, settings)
