@@ -39,6 +39,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lit_instruct.clock import duration
 from lit_instruct.data.render import Sample
 from lit_instruct.distributed import full_tensor, is_sharded
 from lit_instruct.io import log_dir
@@ -258,6 +259,10 @@ class SampleScores(L.Callback):
         if trainer.sanity_checking or not self.held_out:
             return
         started = time.perf_counter()
+        rank_zero_info(  # a progress bar stands still meanwhile: say why
+            f"lit-instruct samples @ step {logged_step(trainer)}: generating {len(self.held_out)} greedy "
+            f"answers of up to {self.max_new_tokens} tokens to score"
+        )
         share = list(range(trainer.global_rank, len(self.held_out), trainer.world_size))
         answers = self._answer(trainer, pl_module, share)
         scores = sample_scores(answers, [self.held_out[i].reference for i in share], pl_module.device)
@@ -266,7 +271,13 @@ class SampleScores(L.Callback):
         folder = log_dir(trainer)  # collective
         if trainer.is_global_zero:
             answered = dict(item for part in gathered for item in part)
-            self._write(trainer, [answered[i] for i in range(len(self.held_out))], scores, folder)
+            self._write(
+                trainer,
+                [answered[i] for i in range(len(self.held_out))],
+                scores,
+                folder,
+                time.perf_counter() - started,
+            )
         seconds = time.perf_counter() - started
         if trainer.state.fn == TrainerFn.FITTING:
             self.fit_seconds += seconds
@@ -288,7 +299,9 @@ class SampleScores(L.Callback):
                     answers.append(answer)
         return answers
 
-    def _write(self, trainer: L.Trainer, answers: list[str], scores: dict[str, float], folder: Path) -> None:
+    def _write(
+        self, trainer: L.Trainer, answers: list[str], scores: dict[str, float], folder: Path, seconds: float
+    ) -> None:
         step = logged_step(trainer)
         tokenizer = trainer.datamodule.load_tokenizer()  # type: ignore[attr-defined]  # set by Lightning
         rows = [
@@ -305,7 +318,10 @@ class SampleScores(L.Callback):
             origins = [item.origin for item in self.held_out]
             out.write(markdown_section(step, origins, rows, scores))  # one write per validation
         summary = ", ".join(f"{key} {value:.4f}" for key, value in scores.items())
-        rank_zero_info(f"lit-instruct samples @ step {step}: {summary} over {len(rows)} conversations")
+        rank_zero_info(
+            f"lit-instruct samples @ step {step}: {summary} over {len(rows)} conversations "
+            f"({duration(seconds)})"
+        )
 
     def fit_cost(self) -> tuple[str, float]:
         """What the fit report shows of this callback: what it did and its seconds in this fit."""

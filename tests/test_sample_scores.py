@@ -314,6 +314,12 @@ def test_the_fit_report_shows_the_best_step_as_metrics_csv_does_and_the_cost(
     )
     assert cost is not None and float(cost.group(1)) == pytest.approx(scores.fit_seconds, abs=0.05)
     assert scores.fit_seconds > 0 and 0 < float(cost.group(2)) < 100
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("lit-instruct samples @")]
+    assert said[:2] == [
+        "lit-instruct samples @ step 1: generating 2 greedy answers of up to 4 tokens to score",  # as logged
+        said[1],  # the scores, after the answers
+    ]
+    assert re.search(r"over 2 conversations \(\d+s\)$", said[1]) and len(said) == 2 * len(validations)
 
 
 def test_without_validation_data_it_says_so_once_and_does_nothing(
