@@ -26,7 +26,6 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_instruct.adapter_folder import adapter_chat_template
 from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.callbacks.interrupt import forced_exit_status
-from lit_instruct.callbacks.terminal_progress import readable_bar
 from lit_instruct.cpu_threads import sharing_cores, usable_cores
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.preference_datamodule import PreferenceDataModule
@@ -373,7 +372,7 @@ class InstructCLI(LightningCLI):
         (:class:`SafeCheckpointIO`, unless another checkpoint IO is configured), stopping gracefully
         on Ctrl-C (:class:`GracefulInterrupt`), and printing plain progress lines every
         ``log_every_n_steps`` instead of a progress bar when stdout is no terminal
-        (:class:`PlainProgress`), on a terminal Lightning's bar made readable (:func:`readable_bar`)."""
+        (:class:`PlainProgress`); on a terminal, the module makes Lightning's bar readable."""
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = SafeCheckpointIO()
@@ -385,8 +384,6 @@ class InstructCLI(LightningCLI):
             callbacks.remove(bar)
             every = getattr(trainer, "log_every_n_steps", 10)  # set by Lightning at init, undeclared
             callbacks.append(PlainProgress(every_n_steps=max(1, every)))
-        elif bar is not None:
-            callbacks[callbacks.index(bar)] = readable_bar(bar)
         return trainer
 
     def _val(self) -> dict[str, float]:

@@ -9,7 +9,7 @@ import pytest
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_instruct.callbacks.terminal_progress import (
+from lit_instruct.train.progress_bar import (
     RichStepProgressBar,
     TQDMStepProgressBar,
     readable_bar,
@@ -50,3 +50,19 @@ def test_after_a_step_bounded_fit_the_bar_reads_plainly(
     assert metrics["train/lr"] == f"{lr:.1e}" and lr > 1e-4
     if isinstance(bar, RichProgressBar):
         assert bar._get_train_description(0).strip() == "Epoch 0"
+
+
+def test_a_plain_lightning_trainer_gets_the_readable_bar_from_the_module(
+    tiny_model_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    """No CLI: Lightning's default bar (Rich's where rich is installed, else tqdm's) is made readable by
+    the module, its settings kept."""
+    module, data = make(tiny_model_dir, chat_file)
+    fit = trainer(tmp_path, max_steps=1, enable_progress_bar=True, logger=CSVLogger(tmp_path))
+    default = fit.progress_bar_callback
+    readable = {RichProgressBar: RichStepProgressBar, TQDMProgressBar: TQDMStepProgressBar}[type(default)]
+    fit.fit(module, datamodule=data)
+    bar = fit.progress_bar_callback
+    assert type(bar) is readable and bar.refresh_rate == default.refresh_rate
+    assert sum(isinstance(c, type(default)) for c in fit.callbacks) == 1
+    assert "v_num" not in bar.get_metrics(fit, module) and "v_num" in default.get_metrics(fit, module)

@@ -41,6 +41,7 @@ from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
 from lit_instruct.train.nonfinite import SkipNonFiniteSteps
+from lit_instruct.train.progress_bar import readable_bar
 from lit_instruct.train.resume import resumed_entry
 from lit_instruct.train.rng_states import RestoreRNGStates
 from lit_instruct.train.threads import ThreadBudget
@@ -353,8 +354,11 @@ class InstructLoRAModule(L.LightningModule):
         """Throughput, RNG states for exact resumes, the fit report, on CPU the threads following the
         cores other processes leave free, and the non-finite step guard: those of these types the
         Trainer does not hold yet (the user's own is kept, and a fit after ``validate`` keeps the ones
-        attached then)."""
+        attached then). Lightning's own progress bar is made readable where it stands
+        (:func:`~lit_instruct.train.progress_bar.readable_bar`: no ``Epoch 0/-2``, no ``v_num``)."""
         held = self.trainer.callbacks if self._trainer is not None else []  # type: ignore[attr-defined]
+        for index, callback in enumerate(held):  # in place: a bar returned here would be a second one
+            held[index] = readable_bar(callback)
         ours = [TokensPerSecond(), RestoreRNGStates(), FitReport(), ThreadBudget(), SkipNonFiniteSteps()]
         return [callback for callback in ours if not any(isinstance(c, type(callback)) for c in held)]
 

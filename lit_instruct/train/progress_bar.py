@@ -1,8 +1,8 @@
 """Lightning's progress bar, as a fine-tuning run reads it: ``Epoch 0`` when the run is bounded by
 steps (Lightning's shows ``Epoch 0/-2``), a learning rate of ``2.0e-04`` (not ``0.000``), no ``v_num``.
 
-``lit-instruct fit`` puts it in place of Lightning's own bars on a terminal (Rich's when ``rich`` is
-installed, else tqdm's), with the settings they were given; any other bar is left as it is.
+:class:`~lit_instruct.train.module.InstructLoRAModule` puts it in place of Lightning's own bar (Rich's
+or tqdm's) in any Trainer, with the settings it was given; any other bar is left as it is.
 """
 
 from __future__ import annotations
