@@ -34,6 +34,7 @@ from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError, closest
 from lit_instruct.fit_help import HELP_ALL, short_help
 from lit_instruct.io import check_replaceable
+from lit_instruct.loggers import finish_wandb_run
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
@@ -885,6 +886,7 @@ def main(argv: list[str] | None = None) -> None:
             with warnings.catch_warnings():  # args are given (``--debug`` left out) while sys.argv has some
                 warnings.filterwarnings("ignore", "LightningCLI's args parameter")
                 InstructCLI(args=command)
+            finish_wandb_run()
     except SIGTERMException:  # Lightning's SIGTERM handler, outside training (validation): exits 0
         raise SystemExit(128 + signal.SIGTERM) from None
     except SystemExit as stop:  # a second signal stopped the run at once; Lightning exits 1

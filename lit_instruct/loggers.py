@@ -64,6 +64,8 @@ class AutoWandbLogger(WandbLogger):
                 offline = True
                 self._fallback_reason = f"W&B ({host}) is unreachable"
         os.makedirs(save_dir, exist_ok=True)
+        if kwargs.get("settings") is None:  # where the run is and how to sync it, not its metrics again
+            kwargs["settings"] = {"quiet": True}
         super().__init__(offline=offline, project=project, save_dir=save_dir, **kwargs)
         if self._wandb_init.get("anonymous", False) is None:  # wandb warns the setting is deprecated
             del self._wandb_init["anonymous"]
@@ -92,3 +94,14 @@ class AutoWandbLogger(WandbLogger):
                 stacklevel=2,
             )
         return run
+
+
+def finish_wandb_run() -> None:
+    """Finish the process's open W&B run, if any, now rather than at exit: then its closing lines come
+    through ``wandb.termlog`` (plain text in a log), not from W&B's service at exit, which writes them
+    with a terminal's colour codes to whatever stdout is."""
+    import sys
+
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()

@@ -21,7 +21,8 @@ NOISE = re.compile(
     # Lightning's account of devices and precision (ours says both), its seed line, its summary table
     # (its size and FLOPs estimates), and progress bars' carriage returns in a log (issue 50)
     r"|GPU available:|TPU available:|Automatic Mixed Precision|Seed set to|Total FLOPs|Loading weights"
-    r"|stepping batches",
+    r"|stepping batches"
+    r"|\x1b\[",  # a terminal's escape codes (wandb's colours) in a log
     re.IGNORECASE | re.MULTILINE,
 )
 
@@ -46,6 +47,7 @@ def test_the_noise_pattern_finds_what_it_is_for() -> None:
         "Seed set to 42",
         "Loading weights:   0%|          | 0/20 [00:00<?, ?it/s]Loading weights: 100%|",
         "Total FLOPs: 0",
+        "\x1b[34m\x1b[1mwandb\x1b[0m: Tracking run with wandb version 0.31.0",
     ]
     assert all(NOISE.search(line) for line in noise)
     assert not NOISE.search("lit-instruct: fit done in 0m14s: 2 optimizer steps\nstep 2/2 (100%) loss 3.57")

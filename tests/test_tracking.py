@@ -223,3 +223,12 @@ def test_an_online_init_that_fails_falls_back_to_an_offline_run(tmp_path) -> Non
     assert warning.endswith(f"logging offline to {run_dir}; upload it later with `wandb sync {run_dir}`")
     (run_file,) = run_dir.glob("run-*.wandb")
     assert [row["x"] for row in wandb_reader.history(run_file)] == [1.0]
+
+
+def test_a_run_is_quiet_unless_the_user_gives_wandb_settings(tmp_path) -> None:
+    """The CLI passes ``settings=None`` (jsonargparse follows ``**kwargs`` to ``wandb.init``): quiet
+    then (where the run is and how to sync it, no metrics table after the fit report); a user's own
+    settings are theirs."""
+    assert AutoWandbLogger(save_dir=str(tmp_path), settings=None)._wandb_init["settings"] == {"quiet": True}
+    own = {"quiet": False, "console": "off"}
+    assert AutoWandbLogger(save_dir=str(tmp_path), settings=own)._wandb_init["settings"] is own
