@@ -18,7 +18,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from lit_instruct.adapter_folder import adapter_base, has_tokenizer, read_config, read_weights
+from lit_instruct.adapter_folder import (
+    adapter_base,
+    adapter_tensors,
+    has_tokenizer,
+    read_config,
+    read_weights,
+)
 from lit_instruct.errors import ConfigError
 from lit_instruct.infer.evaluate import aligned
 from lit_instruct.loss.preference import NEEDS_REFERENCE, PreferenceConfig
@@ -120,13 +126,13 @@ def _adapter_weights(peft_model: Any, folder: str | Path) -> dict[str, Any]:
     """``folder``'s adapter weights under ``peft_model``'s trainable parameters' names (loaded
     through peft, then the model's own put back)."""
     import torch
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import set_peft_model_state_dict
 
     params = {name: p for name, p in peft_model.named_parameters() if p.requires_grad}
     own = {name: p.detach().clone() for name, p in params.items()}
     saved = read_weights(folder)
     set_peft_model_state_dict(peft_model, saved)
-    loaded = get_peft_model_state_dict(peft_model)
+    loaded = adapter_tensors(peft_model)
     if set(saved) != set(loaded) or any(not torch.equal(loaded[k], saved[k].to(loaded[k])) for k in saved):
         raise ConfigError("--reference", f"{folder}: its tensors do not load into the adapter's places")
     weights = {name: p.detach().clone() for name, p in params.items()}
