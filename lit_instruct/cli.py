@@ -153,27 +153,34 @@ def union_error(line: str) -> str:
 
 
 def preference_requested(args: list[str] | Mapping[str, Any] | None) -> bool:
-    """Whether the command line asks for preference training: ``model.preference`` set in a
-    ``--config`` file or as ``--model.preference...`` (the classes are chosen before parsing, so that
-    every other config keeps :class:`InstructLoRAModule` and :class:`InstructDataModule`)."""
+    """Whether the command line asks for preference training: ``model.preference`` set (not null) in a
+    config file (``--config`` / ``-c``) or as ``--model.preference...``, the last one given deciding
+    (the classes are chosen before parsing, so that every other config keeps
+    :class:`InstructLoRAModule` and :class:`InstructDataModule`)."""
     if isinstance(args, Mapping):
-        return "preference" in (args.get("model") or {})
+        return (args.get("model") or {}).get("preference") is not None
     argv = list(sys.argv[1:] if args is None else args)
+    wanted = False
     for index, arg in enumerate(argv):
-        if arg.startswith("--model.preference"):
-            return True
-        path = arg.removeprefix("--config=") if arg.startswith("--config=") else None
-        if arg == "--config" and index + 1 < len(argv):
-            path = argv[index + 1]
-        if path is not None and Path(path).is_file():
+        following = argv[index + 1] if index + 1 < len(argv) else None
+        name, _, value = arg.partition("=")
+        if name == "--model.preference":
+            given = value if value else following
+            wanted = given is not None and given.strip().lower() not in ("null", "none", "~")
+        elif name.startswith("--model.preference."):
+            wanted = True
+        elif name in ("--config", "-c"):
+            path = value or following
+            if path is None or not Path(path).is_file():
+                continue  # the parser reports it
             try:
                 config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
             except yaml.YAMLError:
                 continue  # the parser reports it
             model = config.get("model") if isinstance(config, dict) else None
             if isinstance(model, dict) and "preference" in model:
-                return True
-    return False
+                wanted = model["preference"] is not None
+    return wanted
 
 
 SAVED_CONFIG_HEADER = "# lightning.pytorch=="
