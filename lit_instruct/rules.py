@@ -237,6 +237,14 @@ CONFLICTS: tuple[Conflict, ...] = (
         ({"class_path": "lit_instruct.train.strategy.LoRAFSDPStrategy", "init_args": {"hybrid": True}}, 1),
     ),
     Conflict(
+        "model.loss",
+        "model.preference",
+        lambda loss, preference: preference is not None and loss not in (None, "fused"),
+        "the pair losses sum each answer's log-probabilities through their own chunked lm_head path; "
+        "model.loss chooses the SFT cross-entropy (leave it unset)",
+        ("reference", {"kind": "dpo"}),
+    ),
+    Conflict(
         "data.streaming",
         "trainer.max_steps",
         lambda streaming, steps: bool(streaming) and steps in (None, -1),
