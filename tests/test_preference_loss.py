@@ -1,10 +1,17 @@
 """Preference losses (lit_instruct.loss.preference) against TRL's own trainers on the same token ids.
 
-TRL's ``DPOTrainer`` (sigmoid, IPO, sigmoid + sft = RPO), ``CPOTrainer`` (sigmoid with label
+TRL's ``DPOTrainer`` (every one of its ``loss_type`` values, weighted lists of them such as RPO and
+MPO, ``ld_alpha``, the f-divergences, a zero reference), ``CPOTrainer`` (sigmoid with label
 smoothing, SimPO) and ``ORPOTrainer`` each compute their loss and metrics on a batch built in their
 collated layout from our pairs' ids; ours computes the same from hidden states through
 :func:`answer_logps` on the same peft model. Loss, TRL-named metrics and LoRA gradients must agree
 (fp32, rtol 1e-5). ``answer_logps`` itself is checked against a float64 ``log_softmax``.
+
+The DPO cases share one ``DPOTrainer``, given each case's settings as its ``__init__`` takes them
+from ``DPOConfig``. TRL 1.16 has no ``dpo_loss`` of its own (the loss types are branches of its
+``_compute_loss``), so every case runs that method on random per-token log-probabilities, given by
+the model and reference it calls (milliseconds a case); sigmoid, IPO and RPO also run end to end on
+the tiny model (~4 s each), and MPO and LD-DPO on SmolLM2 (``tests/test_preference_smollm2.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ import torch
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.loss.logits import LogitTransform
 from lit_instruct.loss.preference import (
+    DPO_LOSSES,
     PairLogps,
+    PreferenceConfig,
     PreferenceLoss,
     answer_logps,
-    answer_token_counts,
+    answer_token_logps,
     mean_metrics,
 )
 
@@ -165,15 +174,16 @@ def _lora_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def _sequence_logps(peft_model, layout, labels: torch.Tensor) -> PairLogps:
-    """Ours: the trunk's hidden states, shifted, through the chunked lm_head path."""
+def _sequence_logps(peft_model, layout, labels: torch.Tensor, ld_alpha: float | None = None) -> PairLogps:
+    """Ours: the trunk's hidden states, shifted, through the chunked lm_head path (LD-DPO's sums
+    with ``ld_alpha``)."""
     causal_lm = peft_model.get_base_model()
     hidden = causal_lm.model(
         input_ids=layout["input_ids"], attention_mask=layout["attention_mask"], use_cache=False
     ).last_hidden_state
     shifted = labels[:, 1:]
-    logps = answer_logps(hidden[:, :-1], causal_lm.lm_head.weight, shifted, chunk_size=8)
-    return PairLogps.from_batch(logps, answer_token_counts(shifted))
+    per_token = answer_token_logps(hidden[:, :-1], causal_lm.lm_head.weight, shifted, chunk_size=8)
+    return PairLogps.from_tokens(per_token, shifted, ld_alpha)
 
 
 def _ours(peft_model, layout, loss: PreferenceLoss, orpo_sequence_nll: bool = False):
@@ -181,8 +191,8 @@ def _ours(peft_model, layout, loss: PreferenceLoss, orpo_sequence_nll: bool = Fa
     reference = None
     if loss.needs_reference:
         with torch.no_grad(), peft_model.disable_adapter():
-            reference = _sequence_logps(peft_model, layout, layout["labels"])
-    policy = _sequence_logps(peft_model, layout, layout["labels"])
+            reference = _sequence_logps(peft_model, layout, layout["labels"], loss.ld_alpha)
+    policy = _sequence_logps(peft_model, layout, layout["labels"], loss.ld_alpha)
     nll = None
     if orpo_sequence_nll:  # TRL's ORPO takes the NLL over the whole chosen sequence, prompt included
         whole = _sequence_logps(peft_model, layout, layout["sequence_labels"])
@@ -252,20 +262,150 @@ def _compare(trl_loss, trl_metrics, trl_grads, ours_loss, ours_metrics, ours_gra
         torch.testing.assert_close(ours_grads[name], grad, **TOLERANCE)
 
 
-DPO_CASES = {
+def _trl_loss_types() -> list[str]:
+    """The loss types ``DPOConfig.loss_type``'s help lists (TRL 1.16)."""
+    import dataclasses
+    import re
+
+    from trl import DPOConfig
+
+    (loss_type,) = (f for f in dataclasses.fields(DPOConfig) if f.name == "loss_type")
+    return re.findall(r"`'(\w+)'`", loss_type.metadata["help"])
+
+
+DPO_CASES = {  # TRL's DPOConfig settings, ours; one case per loss type of TRL 1.16, then the others
     "sigmoid": (dict(loss_type=["sigmoid"], beta=0.1), PreferenceLoss("dpo", beta=0.1)),
+    "hinge": (dict(loss_type="hinge", beta=0.05), PreferenceLoss(beta=0.05, loss_type="hinge")),
     "ipo": (dict(loss_type=["ipo"], beta=0.3), PreferenceLoss("ipo", beta=0.3)),
+    "exo_pair": (
+        dict(loss_type="exo_pair", beta=0.1, label_smoothing=1e-3),
+        PreferenceLoss(beta=0.1, loss_type="exo_pair", label_smoothing=1e-3),
+    ),
+    "nca_pair": (dict(loss_type="nca_pair", beta=0.1), PreferenceLoss(beta=0.1, loss_type="nca_pair")),
+    "robust": (
+        dict(loss_type="robust", beta=0.1, label_smoothing=0.2),
+        PreferenceLoss(beta=0.1, loss_type="robust", label_smoothing=0.2),
+    ),
+    "bco_pair": (dict(loss_type="bco_pair", beta=0.1), PreferenceLoss(beta=0.1, loss_type="bco_pair")),
+    "sppo_hard": (dict(loss_type="sppo_hard", beta=0.1), PreferenceLoss(beta=0.1, loss_type="sppo_hard")),
+    "aot": (
+        dict(loss_type="aot", beta=0.1, label_smoothing=0.1),
+        PreferenceLoss(beta=0.1, loss_type="aot", label_smoothing=0.1),
+    ),
+    "aot_unpaired": (
+        dict(loss_type="aot_unpaired", beta=0.1),
+        PreferenceLoss(beta=0.1, loss_type="aot_unpaired"),
+    ),
+    "apo_zero": (dict(loss_type="apo_zero", beta=0.1), PreferenceLoss(beta=0.1, loss_type="apo_zero")),
+    "apo_down": (dict(loss_type="apo_down", beta=0.1), PreferenceLoss(beta=0.1, loss_type="apo_down")),
+    "discopop": (
+        dict(loss_type="discopop", beta=0.1, discopop_tau=0.5),
+        PreferenceLoss(beta=0.1, loss_type="discopop", discopop_tau=0.5),
+    ),
+    "sft": (dict(loss_type="sft"), PreferenceLoss(loss_type="sft")),
+    "sigmoid_norm": (
+        dict(loss_type="sigmoid_norm", beta=2.0),
+        PreferenceLoss(beta=2.0, loss_type="sigmoid_norm"),
+    ),
+    "ipo-as-loss-type": (dict(loss_type="ipo", beta=0.3), PreferenceLoss(beta=0.3, loss_type="ipo")),
     "rpo": (
         dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.7], beta=0.2),
         PreferenceLoss("dpo", beta=0.2, rpo_alpha=0.7),
     ),
+    "mpo": (
+        dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], beta=0.1),
+        PreferenceLoss(beta=0.1, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]),
+    ),
+    "ld-dpo": (dict(loss_type="sigmoid", ld_alpha=0.5), PreferenceLoss(ld_alpha=0.5)),
+    "ld-dpo-0-with-sft": (  # the sft term over every chosen token, not LD-DPO's weighted sums
+        dict(loss_type=["sigmoid", "sft"], ld_alpha=0.0),
+        PreferenceLoss(loss_type=["sigmoid", "sft"], ld_alpha=0.0),
+    ),
+    "forward_kl": (
+        dict(loss_type="sigmoid", f_divergence_type="forward_kl"),
+        PreferenceLoss(f_divergence_type="forward_kl"),
+    ),
+    "js_divergence-hinge": (
+        dict(loss_type="hinge", beta=0.05, f_divergence_type="js_divergence"),
+        PreferenceLoss(beta=0.05, loss_type="hinge", f_divergence_type="js_divergence"),
+    ),
+    "alpha_divergence-ipo": (
+        dict(loss_type="ipo", beta=0.3, f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
+        PreferenceLoss(
+            beta=0.3, loss_type="ipo", f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3
+        ),
+    ),
+    "reference-free": (  # TRL: a precomputed reference of zeros
+        dict(
+            loss_type=["sigmoid", "apo_zero"],
+            loss_weights=[1.0, 0.5],
+            beta=0.01,
+            precompute_ref_log_probs=True,
+        ),
+        PreferenceLoss(
+            beta=0.01, loss_type=["sigmoid", "apo_zero"], loss_weights=[1.0, 0.5], reference_free=True
+        ),
+    ),
 }
 
 
-@pytest.mark.parametrize("case", DPO_CASES)
-def test_dpo_matches_trl_dpo_trainer(case, tiny_model_dir, tokenizer, pair_ids, tmp_path):
+def test_every_trl_loss_type_is_ours_and_compared():
+    assert sorted(DPO_LOSSES) == sorted(_trl_loss_types())
+    assert set(_trl_loss_types()) <= set(DPO_CASES)
+
+
+LOSS_SETTINGS = (  # DPOConfig's fields that DPOTrainer.__init__ copies for its loss
+    "beta",
+    "precompute_ref_log_probs",
+    "loss_type",
+    "loss_weights",
+    "ld_alpha",
+    "f_divergence_type",
+    "f_alpha_divergence_coef",
+    "label_smoothing",
+    "discopop_tau",
+)
+
+
+@pytest.fixture(scope="module")
+def dpo_trainer(tiny_model_dir, tokenizer, tmp_path_factory):
+    """One ``DPOTrainer`` for every DPO case (and its config's defaults); :func:`_configure` gives it
+    each case's settings."""
+    trainer = _dpo_trainer(tiny_model_dir, tokenizer, tmp_path_factory.mktemp("dpo"))
+    return trainer, {name: getattr(trainer.args, name) for name in LOSS_SETTINGS}
+
+
+def _configure(trainer, defaults: dict, **config) -> None:
+    """``trainer`` with the loss settings ``DPOConfig(**config)`` gives, set as ``DPOTrainer.__init__``
+    sets them. (A second ``DPOConfig`` would reset accelerate's state under the built trainer, so its
+    ``__post_init__``'s two lines for these fields are repeated here.)"""
+    args = {**defaults, **config}
+    assert args.keys() == defaults.keys()
+    if isinstance(args["loss_type"], str):
+        args["loss_type"] = [args["loss_type"]]
+    assert args["loss_weights"] is None or len(args["loss_weights"]) == len(args["loss_type"])
+    trainer.beta = args["beta"]
+    trainer.precompute_ref_logps = args["precompute_ref_log_probs"]
+    trainer.loss_types = args["loss_type"]
+    trainer.loss_weights = args["loss_weights"] or [1.0] * len(trainer.loss_types)
+    trainer.ld_alpha = args["ld_alpha"]
+    trainer.f_divergence_type = args["f_divergence_type"]
+    trainer.f_alpha_divergence_coef = args["f_alpha_divergence_coef"]
+    trainer.label_smoothing = args["label_smoothing"]
+    trainer.args.discopop_tau = args["discopop_tau"]
+
+
+ON_THE_MODEL = ("sigmoid", "ipo", "rpo")
+"""The DPO cases also compared end to end on the tiny model (about 4 s each: TRL's lm_head pass
+computes its entropy metrics over the 49k vocabulary at every position); every case is compared on
+log-probabilities below, through the same ``DPOTrainer._compute_loss``."""
+
+
+@pytest.mark.parametrize("case", ON_THE_MODEL)
+def test_dpo_matches_trl_dpo_trainer(case, dpo_trainer, tokenizer, pair_ids):
     trl_config, ours_loss = DPO_CASES[case]
-    trainer = _dpo_trainer(tiny_model_dir, tokenizer, tmp_path, **trl_config)
+    trainer, defaults = dpo_trainer
+    _configure(trainer, defaults, **trl_config)
     model = trainer.model
     _perturb_lora(model)
     layout = _layout(pair_ids, tokenizer.pad_token_id)
@@ -281,6 +421,91 @@ def test_dpo_matches_trl_dpo_trainer(case, tiny_model_dir, tokenizer, pair_ids, 
     assert 0 < metrics["rewards/accuracies"] < 1 or case == "ipo"  # a batch that tells the pairs apart
     _compare(
         trl_loss, trl_metrics, trl_grads, loss, metrics, _lora_grads(model), REWARD_METRICS + LOGPS_METRICS
+    )
+
+
+class _LogProbs(torch.nn.Module):
+    """A model whose fused lm_head output (TRL's ``FusedCausalLMOutput`` fields that
+    ``DPOTrainer._compute_loss`` reads) is given per-token log-probabilities, ``(2P, T - 1)``."""
+
+    is_gradient_checkpointing = False
+
+    def __init__(self, log_probs: torch.Tensor) -> None:
+        super().__init__()
+        self.log_probs = log_probs
+
+    def forward(self, input_ids, labels, **kwargs):
+        from types import SimpleNamespace
+
+        shape = self.log_probs.shape
+        zeros = torch.zeros(shape)
+        return SimpleNamespace(
+            log_probs=self.log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool(), aux_loss=None
+        )
+
+
+def _random_pairs(pairs: int = 5, length: int = 14, seed: int = 0):
+    """``[chosen rows; rejected rows]`` ids and answer masks of varied lengths (chosen longer in some
+    pairs, shorter in others), policy log-probabilities (a leaf) and a reference's near them."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, 5, (2 * pairs,), generator=gen)
+    answer = torch.randint(1, length - 5, (2 * pairs,), generator=gen)
+    position = torch.arange(length)
+    completion_mask = ((position >= prompt[:, None]) & (position < (prompt + answer)[:, None])).long()
+    input_ids = torch.randint(0, 100, (2 * pairs, length), generator=gen)
+    scored = completion_mask[:, 1:].bool()
+    policy = (-3 * torch.rand(2 * pairs, length - 1, generator=gen)).masked_fill(~scored, 0.0)
+    reference = (
+        (policy + 0.4 * torch.randn(policy.shape, generator=gen)).clamp(max=-0.01).masked_fill(~scored, 0.0)
+    )
+    return input_ids, completion_mask, policy.requires_grad_(), reference
+
+
+@pytest.mark.parametrize("case", DPO_CASES)
+def test_dpo_loss_types_match_trl_on_log_probabilities(case, dpo_trainer):
+    """Every DPO case on random per-token log-probabilities: TRL's ``_compute_loss`` (its model and
+    reference give them) against ours from the same values (loss, metrics, gradient to each token's
+    log-probability), fp32."""
+    trl_config, ours_loss = DPO_CASES[case]
+    trainer, defaults = dpo_trainer
+    _configure(trainer, defaults, **trl_config)
+    input_ids, completion_mask, policy, reference = _random_pairs()
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "completion_mask": completion_mask,
+    }
+    if trainer.precompute_ref_logps:  # reference-free: a reference of zeros
+        inputs["ref_chosen_logps"] = inputs["ref_rejected_logps"] = torch.zeros(len(input_ids) // 2)
+    model, ref_model = trainer.model, trainer.ref_model
+    trainer.model, trainer.ref_model = _LogProbs(policy), _LogProbs(reference)
+    try:
+        trl_loss = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
+    finally:
+        trainer.model, trainer.ref_model = model, ref_model
+    trl_loss.backward()
+    trl_grad, policy.grad = policy.grad, None
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    labels = input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)[:, 1:]
+    scored = labels != IGNORE_INDEX
+    ours = PairLogps.from_tokens(policy[scored], labels, ours_loss.ld_alpha)
+    theirs = PairLogps.from_tokens(reference[scored], labels, ours_loss.ld_alpha)
+    loss, per_pair = ours_loss(ours, None if ours_loss.reference_free else theirs)
+    loss.backward()
+    metrics = mean_metrics(per_pair)
+    assert 0 < metrics["rewards/accuracies"] < 1 or ours_loss.reference_free  # chosen answers: longer
+    assert policy.grad[scored].abs().max() > 0 and not policy.grad[~scored].any()
+    # TRL sums whole rows, so its unscored positions (a model's zeros there) get the gradient too
+    trl_grad = trl_grad[scored]
+    _compare(
+        trl_loss,
+        trl_metrics,
+        {"log_probs": trl_grad},
+        loss,
+        metrics,
+        {"log_probs": policy.grad[scored]},
+        REWARD_METRICS + LOGPS_METRICS,
     )
 
 
@@ -375,6 +600,49 @@ def test_first_step_is_ln2_with_zero_rewards(tiny_model_dir, pair_ids, tokenizer
     _perturb_lora(model)  # the property can fail: a trained adapter moves both
     loss, metrics = _ours(model, layout, PreferenceLoss("dpo", beta=0.1))
     assert metrics["rewards/chosen"] != 0.0 and loss.item() != pytest.approx(math.log(2))
+
+
+@pytest.mark.parametrize(
+    "settings, setting, says",
+    [
+        (dict(loss_type="kto"), "loss_type", "'kto' is none of sigmoid, hinge"),
+        (dict(loss_type="hinj"), "loss_type", "(closest: hinge)"),
+        (dict(loss_type=[]), "loss_type", "at least one"),
+        (
+            dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]),
+            "loss_weights",
+            "1 weights for 2 loss types",
+        ),
+        (dict(loss_weights=[-1.0]), "loss_weights", ">= 0"),
+        (dict(kind="ipo", loss_type="hinge"), "loss_type", "hinge applies to kind: dpo, not kind: ipo"),
+        (dict(kind="simpo", loss_weights=[1.0]), "loss_weights", "applies to kind: dpo, not kind: simpo"),
+        (dict(kind="orpo", ld_alpha=0.5), "ld_alpha", "not kind: orpo"),
+        (dict(kind="simpo", reference_free=True), "reference_free", "not kind: simpo"),
+        (dict(ld_alpha=1.5), "ld_alpha", "[0, 1]"),
+        (dict(loss_type="exo_pair"), "label_smoothing", "must be > 0 with loss_type exo_pair"),
+        (dict(loss_type="hinge", label_smoothing=0.1), "label_smoothing", "not loss_type: hinge"),
+        (dict(loss_type="robust", label_smoothing=0.5), "label_smoothing", "[0, 0.5)"),
+        (dict(loss_type="bco_pair", f_divergence_type="forward_kl"), "f_divergence_type", "bco_pair"),
+        (dict(f_divergence_type="kl"), "f_divergence_type", "none of reverse_kl"),
+        (dict(loss_type="discopop", discopop_tau=0.0), "discopop_tau", "> 0"),
+    ],
+)
+def test_dpo_settings_refused_naming_the_setting(settings, setting, says):
+    with pytest.raises(ValueError) as error:
+        PreferenceLoss(**settings)
+    assert error.value.setting == setting and says in error.value.message, error.value
+    from lit_instruct.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"model.preference.{setting}"):
+        PreferenceConfig(**settings).loss()  # what `lit-instruct check` runs before any weight
+
+
+def test_reference_free_has_no_reference_to_precompute():
+    from lit_instruct.errors import ConfigError
+
+    assert not PreferenceLoss(reference_free=True).needs_reference
+    with pytest.raises(ConfigError, match="precompute_reference: has no reference"):
+        PreferenceConfig(reference_free=True, precompute_reference=True).loss()
 
 
 def test_refusals():

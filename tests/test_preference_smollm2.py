@@ -4,7 +4,10 @@ Pairs of ``examples/data/preference_sample.jsonl`` rendered and batched by our
 :class:`PreferenceDataModule`; TRL's ``DPOTrainer`` (sigmoid) and ``CPOTrainer`` (SimPO) get the same
 token ids in their layouts, with the same LoRA weights. The loss, TRL's reward metrics and the LoRA
 gradients after one backward of :class:`PreferenceLoRAModule`'s step must equal theirs (fp32, the
-tolerance of the tiny-model tests in ``tests/test_preference_loss.py``). Step 0 on SmolLM2 is ln 2
+tolerance of the tiny-model tests in ``tests/test_preference_loss.py``, where every other DPO loss
+type is compared). Also through the module: MPO's weighted loss types (the sft term) and LD-DPO's
+``ld_alpha`` with ``reference_free`` (the weighted sums taken in the module, no reference pass; TRL:
+a precomputed reference of zeros). Step 0 on SmolLM2 is ln 2
 with zero rewards, fresh (the fused LoRA layers) and from an SFT adapter.
 """
 
@@ -75,15 +78,20 @@ def _trl_step(
 
     peft_targets = "all-linear" if targets == ["all-linear"] else targets  # peft's spelling: a string
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=peft_targets)
+    config = dict(config)
+    zero_reference = config.pop("precompute_ref_log_probs", False)  # given zeros below, not computed
     built = dict(dataset=_trl_dataset(), peft_config=lora, gradient_checkpointing=False, **config)
     if case == "dpo":
         trainer = _dpo_trainer(model, tokenizer, tmp_path, **built)
+        trainer.precompute_ref_logps = zero_reference
     else:
         trainer = _experimental_trainer("cpo", model, tokenizer, tmp_path, **built)
     _perturb_lora(trainer.model, scale=SCALE)
     if case == "dpo":
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
         inputs["completion_mask"] = (batch["labels"] != IGNORE_INDEX).long()
+        if zero_reference:
+            inputs["ref_chosen_logps"] = inputs["ref_rejected_logps"] = torch.zeros(NUM_PAIRS)
         loss = trainer._compute_loss(trainer.model, inputs, return_outputs=False)
         metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
     else:
@@ -122,10 +130,23 @@ CASES = {  # TRL's trainer, LoRA targets, its config, ours
         dict(loss_type="simpo", beta=2.0, simpo_gamma=0.6, cpo_alpha=0.0),
         {"kind": "simpo", "beta": 2.0, "gamma": 0.6},
     ),
+    "mpo": (
+        "dpo",
+        ["q_proj", "v_proj"],
+        dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], beta=0.1),
+        {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    ),
+    "ld-dpo-reference-free": (
+        "dpo",
+        ["q_proj", "v_proj"],
+        dict(loss_type=["sigmoid"], beta=0.1, ld_alpha=0.5, precompute_ref_log_probs=True),
+        {"ld_alpha": 0.5, "reference_free": True},
+    ),
 }
+SLOW = {"mpo", "ld-dpo-reference-free"}  # the other DPO loss types: on the tiny model only
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_one_step_on_smollm2_equals_trl(case, smollm2_path, tokenizer, batch, tmp_path):
     trainer_kind, targets, trl_config, preference = CASES[case]
     trl_loss, trl_metrics, trl_grads, lora_weights = _trl_step(
@@ -141,7 +162,8 @@ def test_one_step_on_smollm2_equals_trl(case, smollm2_path, tokenizer, batch, tm
     assert not loaded.unexpected_keys and lora_weights
     loss, metrics = _our_step(ours, batch)
 
-    assert 0 < metrics["rewards/accuracies"] < 1  # a batch whose pairs the policy tells apart differently
+    if not ours.preference_loss.reference_free:  # zero reference: the policy's log-probs, all < 0
+        assert 0 < metrics["rewards/accuracies"] < 1  # pairs the policy tells apart differently
     assert 0.05 < loss.item() < 5  # not saturated: the gradients are not vanishingly small
     names = REWARD_METRICS + LOGPS_METRICS
     _compare(trl_loss, trl_metrics, trl_grads, loss, metrics, _lora_grads(ours.model), names)

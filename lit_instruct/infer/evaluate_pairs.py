@@ -27,7 +27,7 @@ from lit_instruct.adapter_folder import (
 )
 from lit_instruct.errors import ConfigError
 from lit_instruct.infer.evaluate import aligned
-from lit_instruct.loss.preference import NEEDS_REFERENCE, PreferenceConfig
+from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.model_card import recorded_preference
 from lit_instruct.models.lora import STRUCTURE, lora_config_of
 from lit_instruct.vocabulary import adapter_new_tokens
@@ -76,8 +76,9 @@ def check_reference(adapter: str | Path, reference: str | Path, config: Preferen
     Raises:
         ConfigError: naming ``--reference`` and the difference.
     """
-    if config.kind not in NEEDS_REFERENCE:
-        raise ConfigError("--reference", f"{config.kind} has no reference model (dpo and ipo have one)")
+    if not config.loss().needs_reference:
+        why = "reference_free" if config.reference_free else config.kind
+        raise ConfigError("--reference", f"{why} has no reference model (dpo and ipo have one)")
     ours, theirs = read_config(adapter), read_config(reference)
     base, other = ours.get("base_model_name_or_path"), theirs.get("base_model_name_or_path")
     if base != other:
@@ -199,7 +200,10 @@ def settings_line(config: PreferenceConfig, origin: str, reference: str | Path |
     names = ["label_smoothing", "rpo_alpha", *(["gamma"] if config.kind == "simpo" else [])]
     changed = [f"beta {config.beta:g}"]
     changed += [f"{n} {getattr(config, n):g}" for n in names if getattr(config, n) != getattr(default, n)]
-    if config.kind not in NEEDS_REFERENCE:
+    dpo = ["loss_type", "loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef"]
+    dpo += ["discopop_tau", "reference_free"]
+    changed += [f"{n} {getattr(config, n)}" for n in dpo if getattr(config, n) != getattr(default, n)]
+    if not config.loss().needs_reference:
         against = "no reference model"
     else:
         against = f"reference: {reference}" if reference is not None else "reference: the base, adapter off"

@@ -6,19 +6,21 @@ A step runs the trunk once over a ``[chosen rows; rejected rows]`` batch
 (:class:`~lit_instruct.data.preference_datamodule.PreferenceDataModule`) and sums each answer's
 log-probability through the chunked lm_head path (:func:`~lit_instruct.loss.preference.answer_logps`).
 
-The reference (DPO, IPO) is the policy's own weights with the adapter switched off (peft's
-``disable_adapter``: the fused LoRA layers then run peft's path, which skips the adapter), or, when
-training continues from an SFT adapter (``adapter``), that adapter's weights as loaded, put in place
-of the trained ones for the reference pass: no second copy of the base. The reference pass runs in
-eval mode (no dropout: the frozen model), without gradients. With ``precompute_reference`` it runs
-once per pair before training (:mod:`lit_instruct.data.reference_cache`), and steps read its values
-from the batches.
+The reference (DPO, IPO; none with ``reference_free``) is the policy's own weights with the adapter
+switched off (peft's ``disable_adapter``: the fused LoRA layers then run peft's path, which skips the
+adapter), or, when training continues from an SFT adapter (``adapter``), that adapter's weights as
+loaded, put in place of the trained ones for the reference pass: no second copy of the base. The
+reference pass runs in eval mode (no dropout: the frozen model), without gradients. With
+``precompute_reference`` it runs once per pair before training (:mod:`lit_instruct.data.reference_cache`),
+and steps read its values from the batches.
 
 Each micro-batch returns its pairs' *summed* loss; at the optimizer step the gradient is divided by
 the pairs of the whole window on all ranks (as :mod:`lit_instruct.train.window` does by tokens), so
-it is the gradient of the mean over every pair of the step. The NLL terms (ORPO, ``rpo_alpha``) are
-each micro-batch's token mean over its chosen answers, weighted by its pairs (equal to TRL's on one
-batch; over a window, a pair-weighted mean of the micro-batches' token means).
+it is the gradient of the mean over every pair of the step. The NLL terms (ORPO, ``rpo_alpha``,
+``sft``) are each micro-batch's token mean over its chosen answers, weighted by its pairs (equal to
+TRL's on one batch; over a window, a pair-weighted mean of the micro-batches' token means). So are
+the batch terms of ``aot`` and ``aot_unpaired`` (they sort the micro-batch's pairs, as TRL sorts a
+device's batch).
 """
 
 from __future__ import annotations
@@ -41,8 +43,7 @@ from lit_instruct.loss.preference import (  # PreferenceConfig: importable from 
     PairLogps,
     PreferenceConfig,
     PreferenceLoss,
-    answer_logps,
-    answer_token_counts,
+    answer_token_logps,
 )
 from lit_instruct.train.module import InstructLoRAModule
 from lit_instruct.train.window import gradient_factor, scale_gradients
@@ -110,17 +111,12 @@ class PairWindow:
         )
 
 
-def _select(logps: PairLogps, keep: torch.Tensor) -> PairLogps:
-    return PairLogps(
-        logps.chosen[keep], logps.rejected[keep], logps.chosen_tokens[keep], logps.rejected_tokens[keep]
-    )
-
-
 class PreferenceLoRAModule(InstructLoRAModule):
-    """:class:`InstructLoRAModule` trained on preference pairs: DPO, IPO, SimPO or ORPO (``preference``),
-    every other setting as there. Logs TRL's metrics: ``train/rewards/chosen``, ``.../rejected``,
-    ``.../accuracies``, ``.../margins``, ``train/logps/chosen``, ``.../rejected`` (and ORPO's and
-    RPO's), and the same under ``val/`` with ``val/loss`` and ``val/pairs``.
+    """:class:`InstructLoRAModule` trained on preference pairs: DPO (any of TRL's loss types), IPO,
+    SimPO or ORPO (``preference``), every other setting as there. Logs TRL's metrics:
+    ``train/rewards/chosen``, ``.../rejected``, ``.../accuracies``, ``.../margins``,
+    ``train/logps/chosen``, ``.../rejected`` (and ORPO's and RPO's), and the same under ``val/`` with
+    ``val/loss`` and ``val/pairs``.
 
     Args:
         preference: the loss and its coefficients (:class:`PreferenceConfig`).
@@ -229,7 +225,8 @@ class PreferenceLoRAModule(InstructLoRAModule):
     # -- steps ----------------------------------------------------------------------------------
 
     def pair_logps(self, batch: dict[str, Any], hidden: torch.Tensor | None = None) -> PairLogps:
-        """Each answer's summed log-probability (``hidden``: the trunk's, else computed here)."""
+        """Each answer's summed log-probability (``hidden``: the trunk's, else computed here); with
+        ``ld_alpha``, LD-DPO's weighted sums (the reference's too, precomputed or not)."""
         if "packed_segments" in batch:
             raise ValueError("preference batches are padded rows, not packed")
         if hidden is None:
@@ -239,8 +236,10 @@ class PreferenceLoRAModule(InstructLoRAModule):
         bias = head.bias if hasattr(head, "bias") else None
         weight, whole_bias = full_tensor(head.weight), full_tensor(bias)
         assert weight is not None
-        logps = answer_logps(hidden[:, :-1], weight, labels, bias=whole_bias, transform=self.logit_transform)
-        return PairLogps.from_batch(logps, answer_token_counts(labels))
+        per_token = answer_token_logps(
+            hidden[:, :-1], weight, labels, bias=whole_bias, transform=self.logit_transform
+        )
+        return PairLogps.from_tokens(per_token, labels, self.preference_loss.ld_alpha)
 
     def pair_losses(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The batch's summed loss over its counted pairs, the per-pair metrics' sums (in
@@ -265,8 +264,8 @@ class PreferenceLoRAModule(InstructLoRAModule):
             return hidden.sum() * 0.0, hidden.new_zeros(len(names), dtype=torch.float64), 0, 0
         if counted < num_pairs:
             keep = keep.to(policy.chosen.device)
-            policy = _select(policy, keep)
-            reference = _select(reference, keep) if reference is not None else None
+            policy = policy.select(keep)
+            reference = reference.select(keep) if reference is not None else None
         loss, metrics = self.preference_loss(policy, reference)
         loss_sum = loss * counted
         if aux is not None and self.router_aux_loss is not None:
