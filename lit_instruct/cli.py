@@ -34,7 +34,7 @@ from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError, closest
 from lit_instruct.fit_help import HELP_ALL, short_help
 from lit_instruct.io import check_replaceable
-from lit_instruct.loggers import finish_wandb_run
+from lit_instruct.loggers import finish_wandb_runs
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
@@ -868,7 +868,19 @@ DEBUG_ENV = "LIT_INSTRUCT_DEBUG"
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``lit-instruct`` command. A user's mistake (a setting, a data record) ends
     with exit status 2 and one line naming it; ``--debug`` (or ``LIT_INSTRUCT_DEBUG=1``) shows the
-    traceback as well."""
+    traceback as well. However it ends, the W&B run it started is finished with its exit status."""
+    try:
+        _main(argv)
+    except SystemExit as stop:
+        finish_wandb_runs(stop.code if isinstance(stop.code, int) else 1)
+        raise
+    except BaseException:
+        finish_wandb_runs(1)
+        raise
+    finish_wandb_runs()
+
+
+def _main(argv: list[str] | None) -> None:
     command = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in command or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     command = [arg for arg in command if arg != "--debug"]
@@ -893,7 +905,6 @@ def main(argv: list[str] | None = None) -> None:
             with warnings.catch_warnings():  # args are given (``--debug`` left out) while sys.argv has some
                 warnings.filterwarnings("ignore", "LightningCLI's args parameter")
                 InstructCLI(args=command)
-            finish_wandb_run()
     except SIGTERMException:  # Lightning's SIGTERM handler, outside training (validation): exits 0
         raise SystemExit(128 + signal.SIGTERM) from None
     except SystemExit as stop:  # a second signal stopped the run at once; Lightning exits 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import netrc
 import os
+import sys
 import warnings
 from typing import Any
 from urllib.parse import urlparse
@@ -34,6 +35,17 @@ def wandb_credentials_found() -> bool:
 def wandb_host() -> str:
     """The W&B server: ``WANDB_BASE_URL``, else https://api.wandb.ai."""
     return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
+QUIET_VARIABLES = ("WANDB_QUIET", "WANDB_SILENT")
+"""W&B's own say on its verbosity: when the environment sets one, it decides, not our default."""
+
+STARTED_RUNS: list[Any] = []
+"""The W&B runs an :class:`AutoWandbLogger` started in this process (a user's own run is theirs)."""
+
+
+def _said_in_environment() -> bool:
+    return any(os.environ.get(name) not in (None, "") for name in QUIET_VARIABLES)
 
 
 class AutoWandbLogger(WandbLogger):
@@ -64,8 +76,8 @@ class AutoWandbLogger(WandbLogger):
                 offline = True
                 self._fallback_reason = f"W&B ({host}) is unreachable"
         os.makedirs(save_dir, exist_ok=True)
-        if kwargs.get("settings") is None:  # where the run is and how to sync it, not its metrics again
-            kwargs["settings"] = {"quiet": True}
+        if kwargs.get("settings") is None and not _said_in_environment():
+            kwargs["settings"] = {"quiet": True}  # no metrics table after the fit report
         super().__init__(offline=offline, project=project, save_dir=save_dir, **kwargs)
         if self._wandb_init.get("anonymous", False) is None:  # wandb warns the setting is deprecated
             del self._wandb_init["anonymous"]
@@ -85,7 +97,12 @@ class AutoWandbLogger(WandbLogger):
                 self._offline = True
                 self._wandb_init["mode"] = "offline"
                 self._experiment = None
+        import wandb
+
+        starting = self._experiment is None and wandb.run is None  # else Lightning reuses that run
         run = super().experiment
+        if starting:
+            STARTED_RUNS.append(run)
         if self._fallback_reason is not None:
             reason, self._fallback_reason = self._fallback_reason, None
             folder = run.dir.removesuffix("/files")  # the run folder `wandb sync` takes
@@ -96,12 +113,16 @@ class AutoWandbLogger(WandbLogger):
         return run
 
 
-def finish_wandb_run() -> None:
-    """Finish the process's open W&B run, if any, now rather than at exit: then its closing lines come
-    through ``wandb.termlog`` (plain text in a log), not from W&B's service at exit, which writes them
-    with a terminal's colour codes to whatever stdout is."""
-    import sys
-
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and getattr(wandb, "run", None) is not None:
-        wandb.finish()
+def finish_wandb_runs(exit_code: int | None = None) -> None:
+    """Finish the W&B runs :class:`AutoWandbLogger` started, now rather than at exit (then W&B's
+    service writes its closing lines with a terminal's colour codes to whatever stdout is), and say
+    how to upload an offline one: ``wandb sync <its folder>``."""
+    while STARTED_RUNS:
+        run = STARTED_RUNS.pop()
+        if getattr(run, "_is_finished", False):
+            continue
+        folder = run.dir.removesuffix("/files")  # the run folder `wandb sync` takes
+        offline = bool(getattr(run, "offline", False))
+        run.finish(exit_code=exit_code)
+        if offline:
+            sys.stderr.write(f"lit-instruct: W&B run logged offline; upload it with `wandb sync {folder}`\n")

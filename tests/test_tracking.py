@@ -225,10 +225,38 @@ def test_an_online_init_that_fails_falls_back_to_an_offline_run(tmp_path) -> Non
     assert [row["x"] for row in wandb_reader.history(run_file)] == [1.0]
 
 
-def test_a_run_is_quiet_unless_the_user_gives_wandb_settings(tmp_path) -> None:
+def test_a_run_is_quiet_unless_the_user_or_the_environment_says_otherwise(tmp_path, monkeypatch) -> None:
     """The CLI passes ``settings=None`` (jsonargparse follows ``**kwargs`` to ``wandb.init``): quiet
-    then (where the run is and how to sync it, no metrics table after the fit report); a user's own
-    settings are theirs."""
+    then (no metrics table after the fit report); a user's own settings, or W&B's own variables in the
+    environment, decide instead."""
+    for name in ("WANDB_QUIET", "WANDB_SILENT"):
+        monkeypatch.delenv(name, raising=False)
     assert AutoWandbLogger(save_dir=str(tmp_path), settings=None)._wandb_init["settings"] == {"quiet": True}
     own = {"quiet": False, "console": "off"}
     assert AutoWandbLogger(save_dir=str(tmp_path), settings=own)._wandb_init["settings"] is own
+    monkeypatch.setenv("WANDB_QUIET", "false")
+    assert AutoWandbLogger(save_dir=str(tmp_path), settings=None)._wandb_init["settings"] is None
+
+
+def test_the_runs_we_started_are_finished_with_how_to_sync_them_and_a_users_own_is_left(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    import wandb
+
+    from lit_instruct.loggers import STARTED_RUNS, finish_wandb_runs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    finish_wandb_runs()  # earlier tests' loggers' runs (finished by the fixture) leave the list
+    ours = AutoWandbLogger(save_dir=str(tmp_path / "ours")).experiment
+    assert [ours] == STARTED_RUNS
+    finish_wandb_runs(2)
+    assert ours._is_finished and STARTED_RUNS == []
+    folder = ours.dir.removesuffix("/files")
+    said = capsys.readouterr().err
+    assert f"lit-instruct: W&B run logged offline; upload it with `wandb sync {folder}`" in said
+    theirs = wandb.init(mode="offline", dir=str(tmp_path / "theirs"))
+    with pytest.warns(UserWarning, match="already in progress"):
+        assert AutoWandbLogger(save_dir=str(tmp_path / "reused")).experiment is theirs
+    finish_wandb_runs()
+    assert not theirs._is_finished and STARTED_RUNS == []
+    theirs.finish()
