@@ -63,9 +63,23 @@ def conversations(path: Path, count: int) -> Path:
     return path
 
 
-def timed(command: list[str], repo: Path, busy: bool) -> tuple[float, str]:
-    """Wall seconds of ``python -m lit_instruct COMMAND`` run on ``repo``'s code, and its stderr."""
-    env = {**os.environ, "PYTHONPATH": str(repo), "WANDB_MODE": "offline"}
+def code_of(repo: Path, folder: Path) -> Path:
+    """``repo``'s package as it imports: ``lit_instruct/`` with ``callbacks/`` inside it, copied to
+    ``folder`` (the editable install maps ``lit_instruct.callbacks`` to this checkout's folder, so a
+    ``PYTHONPATH`` to another checkout alone would run its code with today's callbacks)."""
+    import shutil
+
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(repo / "lit_instruct", folder / "lit_instruct", ignore=skip, symlinks=False)
+    if not (folder / "lit_instruct" / "callbacks").exists():
+        shutil.copytree(repo / "callbacks", folder / "lit_instruct" / "callbacks", ignore=skip)
+    return folder
+
+
+def timed(command: list[str], code: Path, busy: bool) -> tuple[float, str]:
+    """Wall seconds of ``python -m lit_instruct COMMAND`` on ``repo``'s package copied at ``code``
+    (:func:`code_of`), and its stderr."""
+    env = {**os.environ, "PYTHONPATH": str(code), "WANDB_MODE": "offline"}
     spinner = None
     if busy:
         spinner = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", SPIN], start_new_session=True)
@@ -73,7 +87,8 @@ def timed(command: list[str], repo: Path, busy: bool) -> tuple[float, str]:
     start = time.perf_counter()
     try:
         program = [sys.executable, "-m", "lit_instruct", *command]
-        result = subprocess.run(program, cwd=repo, env=env, capture_output=True, text=True)
+        # run beside the copy, not in ``repo``: ``python -m`` puts its folder first on the path
+        result = subprocess.run(program, cwd=code.parent, env=env, capture_output=True, text=True)
     finally:
         if spinner is not None:
             spinner.kill()
@@ -97,6 +112,7 @@ def main() -> None:
         folder = Path(work)
         adapter = random_adapter(folder / "adapter")
         data = conversations(folder / "chats.jsonl", args.records)
+        code = code_of(repo, folder / "code")
         answers, steps = str(folder / "answers.jsonl"), str(args.steps)
         commands = {
             "eval": [
@@ -113,7 +129,7 @@ def main() -> None:
             if args.only not in (None, name):
                 continue
             for busy in (False, True):
-                seconds, err = timed(command, repo, busy)
+                seconds, err = timed(command, code, busy)
                 before = re.search(r"validation before the fit: ([\d.]+) s", err)
                 threads = sorted(set(re.findall(r"on (\d+) threads? \(was \d+\)", err)))
                 detail = f", validation before the fit {before.group(1)} s" if before else ""
