@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from lit_instruct.cli import main
 from lit_instruct.data.kind import data_kind
 from lit_instruct.data.preference_datamodule import PreferenceDataModule
+from lit_instruct.errors import ConfigError
 from lit_instruct.infer.evaluate_pairs import evaluate_pairs, load_pair_module, pair_settings
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.model_card import TrainingCard, recorded_preference
@@ -214,5 +215,27 @@ def test_the_card_records_the_preference_settings_and_eval_reads_them_back(tmp_p
     assert pair_settings(tmp_path, beta=0.5)[0] == PreferenceConfig(kind="ipo", beta=0.5)
     (tmp_path / "README.md").write_text(TrainingCard("some/base", "orpo", {"r": 8}, 10).text())
     assert recorded_preference(tmp_path) == {"kind": "orpo"}  # an older card: its objective tag
+    assert pair_settings(tmp_path) == (
+        PreferenceConfig(kind="orpo"),
+        "the kind from the adapter's card, the rest defaults",
+    )
+    newer = {**settings, "some_later_setting": 1.0}
+    (tmp_path / "README.md").write_text(
+        TrainingCard("some/base", "ipo", {"r": 8}, 10, preference=newer).text()
+    )
+    with pytest.raises(ConfigError, match=r"^--adapter: .* does not know \(some_later_setting\); score it"):
+        pair_settings(tmp_path)
     (tmp_path / "README.md").write_text("---\nlibrary_name: peft\n---\n# Model Card\n")  # peft's own
     assert recorded_preference(tmp_path) is None
+
+
+def test_a_pairs_file_is_told_by_its_first_readable_record(tmp_path) -> None:
+    pair = {"prompt": "Hi?", "chosen": "Hello.", "rejected": "Go away."}
+    chat = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+    bad_first = tmp_path / "bad_first.jsonl"
+    bad_first.write_text("{not json\n" + json.dumps(pair) + "\n", encoding="utf-8")
+    bom = tmp_path / "bom.jsonl"
+    bom.write_text("\ufeff" + json.dumps(pair) + "\n", encoding="utf-8")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps(chat) + "\n", encoding="utf-8")
+    assert [data_kind(str(p)) for p in (bad_first, bom, chats)] == ["pairs", "pairs", "conversations"]

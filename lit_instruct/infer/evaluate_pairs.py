@@ -61,8 +61,18 @@ def pair_settings(
     pass (no ``precompute_reference``)."""
     recorded = recorded_preference(adapter) or {}
     known = {f.name for f in fields(PreferenceConfig)}
-    config = PreferenceConfig(**{k: v for k, v in recorded.items() if k in known})
-    origin = "recorded with the adapter" if recorded else "the defaults: the adapter records none"
+    unknown = sorted(set(recorded) - known)
+    if unknown:  # a newer version's setting: scoring without it would be another loss
+        raise ConfigError(
+            "--adapter",
+            f"{str(adapter)!r} records preference settings this version does not know "
+            f"({', '.join(unknown)}); score it with the version that trained it",
+        )
+    config = PreferenceConfig(**recorded)
+    if set(recorded) == {"kind"}:  # an earlier card: its objective tag alone
+        origin = "the kind from the adapter's card, the rest defaults"
+    else:
+        origin = "recorded with the adapter" if recorded else "the defaults: the adapter records none"
     overrides: dict[str, Any] = {k: v for k, v in (("kind", kind), ("beta", beta)) if v is not None}
     config = replace(config, precompute_reference=False, **overrides)
     config.loss()  # a value out of range: one line before any weight is read
