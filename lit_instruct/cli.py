@@ -35,6 +35,7 @@ from lit_instruct.errors import ConfigError, closest
 from lit_instruct.fit_help import HELP_ALL, short_help
 from lit_instruct.io import check_replaceable
 from lit_instruct.loggers import finish_wandb_runs
+from lit_instruct.loss.preference import PreferenceKind
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.output_head import UnsupportedModelError
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
@@ -890,7 +891,7 @@ def _main(argv: list[str] | None) -> None:
     if command[0] in LIGHTNING_COMMANDS and HELP_ALL in command:
         command = ["--help" if arg == HELP_ALL else arg for arg in command]
     elif command[0] in LIGHTNING_COMMANDS and {"-h", "--help"} & set(command):
-        sys.stdout.write(short_help(command[0]))
+        sys.stdout.write(short_help(command[0], get_args(PreferenceKind)))
         return
     if not sys.stderr.isatty():  # a log file: a bar's carriage returns become one long line
         quiet_progress_bars()

@@ -6,6 +6,14 @@ from __future__ import annotations
 HELP_ALL = "--help-all"
 """Asks for LightningCLI's own help: every setting of every class the config may name."""
 
+TRAINING_ONLY = (
+    "--trainer.max_steps",
+    "--trainer.accumulate_grad_batches",
+    "--model.learning_rate",
+    "--model.adapter_dir",
+)
+"""Settings of the steps, which ``validate`` takes none of."""
+
 SETTINGS = (
     ("--trainer.max_steps N", "optimizer steps to take (or --trainer.max_epochs N)"),
     ("--trainer.default_root_dir DIR", "where the run writes: logs, checkpoints, the adapter"),
@@ -18,7 +26,7 @@ SETTINGS = (
     ("--model.quantization.method nf4", "QLoRA: the base in 4-bit NF4 (configs/qlora.yaml)"),
     ("--model.adapter DIR", "continue from a PEFT adapter"),
     ("--model.adapter_dir DIR", "where the adapter goes (default: the run's folder/adapter)"),
-    ("--model.preference.kind K", "dpo, ipo, simpo or orpo, with configs/dpo.yaml"),
+    ("--model.preference.kind K", "{kinds}, with configs/dpo.yaml"),
     ("--data.train_files [A,B]", "training files, any format (docs/data.md)"),
     ("--data.max_seq_len N", "tokens per sample; longer ones are truncated (counted)"),
     ("--data.batch_size N", "samples (pairs) per batch"),
@@ -27,10 +35,20 @@ SETTINGS = (
 """The settings shown, with what each does: the ones a first fit changes."""
 
 
-def short_help(command: str) -> str:
-    """The help text of ``lit-instruct fit`` or ``validate``."""
-    width = max(len(flag) for flag, _ in SETTINGS) + 2
-    rows = "".join(f"  {flag.ljust(width)}{what}\n" for flag, what in SETTINGS)
+def short_help(command: str, kinds: tuple[str, ...]) -> str:
+    """The help text of ``lit-instruct fit`` or ``validate``; ``kinds``: the preference losses."""
+    shown = [
+        (flag, what.format(kinds=", ".join(kinds)))
+        for flag, what in SETTINGS
+        if command == "fit" or not flag.startswith(TRAINING_ONLY)
+    ]
+    width = max(len(flag) for flag, _ in shown) + 2
+    rows = "".join(f"  {flag.ljust(width)}{what}\n" for flag, what in shown)
+    resume = (
+        "resume a run (last: the newest checkpoint of the run's folder)"
+        if command == "fit"
+        else "the checkpoint to validate (last: the newest of the run's folder)"
+    )
     return (
         f"usage: lit-instruct {command} --config X.yaml [--config Y.yaml ...] "
         "[--SECTION.SETTING VALUE ...]\n\n"
@@ -38,7 +56,7 @@ def short_help(command: str) -> str:
         "  --config X.yaml          configs/quickstart.yaml, lora, qlora, dora, dpo, ddp, fsdp, "
         "mixture, ...\n"
         "  --print_config           print the whole config as it would run (every setting, resolved)\n"
-        "  --ckpt_path last|FILE    resume a run (last: the newest checkpoint of the run's folder)\n"
+        f"  --ckpt_path last|FILE    {resume}\n"
         "  --seed_everything N      the seed of sampling, dropout and the data order\n"
         "  --debug                  a mistake's traceback too, beside its one line\n\n"
         f"Most used settings:\n{rows}\n"
