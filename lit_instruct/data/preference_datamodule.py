@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_instruct.data.datamodule import InstructDataModule, ignore_stop_signals
 from lit_instruct.data.even_shards import EvenShards
+from lit_instruct.data.nothing_to_train import ANSWERS_CUT_SHORT, MIN_CUT_ANSWER_TOKENS, pairs_cut_short
 from lit_instruct.data.preference import (
     PreferenceCollator,
     PreferencePair,
@@ -42,11 +43,6 @@ from lit_instruct.data.validation import Rejects, check_vocabulary
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.rules import shown
-
-MIN_CUT_ANSWER_TOKENS = 16
-"""A pair whose truncation left an answer fewer tokens than this is counted as ``answers_cut_short``;
-when every training pair is, the fit is refused (a preference between answers' first few tokens)."""
-ANSWERS_CUT_SHORT = "answers_cut_short"
 
 
 class PairStore(Sequence[PreferencePair]):
@@ -352,15 +348,8 @@ class PreferenceDataModule(InstructDataModule):
         nothing = super().nothing_to_train()
         if nothing is not None:
             return nothing
-        totals = self._prepared().totals("train")
-        if totals["pairs"] and totals[ANSWERS_CUT_SHORT] == totals["pairs"]:
-            named = ", ".join(source.path for source in self.sources)
-            return ConfigError(
-                "data.max_seq_len",
-                f"{self.settings.max_seq_len}: every pair's answers cut to under {MIN_CUT_ANSWER_TOKENS} "
-                f"tokens ({totals['pairs']} of {totals['pairs']} pairs of {named}); raise it",
-            )
-        return None
+        sources = [source.path for source in self.sources]
+        return pairs_cut_short(self._prepared().totals("train"), sources, self.settings.max_seq_len)
 
     def pairs(self, split: str) -> PairStore:
         """The ``train`` or ``val`` pairs (after :meth:`setup`)."""
