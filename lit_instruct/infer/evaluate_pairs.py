@@ -29,7 +29,7 @@ from lit_instruct.errors import ConfigError
 from lit_instruct.infer.evaluate import aligned
 from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.model_card import recorded_preference
-from lit_instruct.models.lora import STRUCTURE, lora_config_of
+from lit_instruct.models.lora import STRUCTURE, lora_config_of, same_structure
 from lit_instruct.vocabulary import adapter_new_tokens
 
 
@@ -102,8 +102,7 @@ def check_reference(adapter: str | Path, reference: str | Path, config: Preferen
         if name == "dropout":  # no structure: off in evaluation
             continue
         a, b = getattr(mine, name), getattr(its, name)
-        same = set(a) == set(b) if name in ("target_modules", "modules_to_save") else a == b
-        if not same:
+        if not same_structure(name, mine, its):
             raise ConfigError(
                 "--reference",
                 f"{str(reference)!r} has LoRA {name} {b!r}, the adapter {a!r}: a reference adapter has "

@@ -215,14 +215,20 @@ STRUCTURE += ("layers_to_transform", "rank_pattern", "alpha_pattern", "modules_t
 """The :class:`LoRAConfig` fields an adapter folder fixes."""
 
 
+def same_structure(name: str, one: LoRAConfig, other: LoRAConfig) -> bool:
+    """Whether ``one`` and ``other`` agree on the structural field ``name`` (of :data:`STRUCTURE`;
+    module lists in any order)."""
+    mine, theirs = getattr(one, name), getattr(other, name)
+    return set(mine) == set(theirs) if name in ("target_modules", "modules_to_save") else mine == theirs
+
+
 def with_adapter_structure(asked: LoRAConfig, saved: LoRAConfig) -> LoRAConfig:
     """``asked`` with the structure of the adapter it continues (``saved``); a structural field set
     to something else than its default and the adapter's is an error."""
     default = LoRAConfig()
     for name in STRUCTURE:
         mine, theirs = getattr(asked, name), getattr(saved, name)
-        same = set(mine) == set(theirs) if name in ("target_modules", "modules_to_save") else mine == theirs
-        if mine != getattr(default, name) and not same:
+        if mine != getattr(default, name) and not same_structure(name, asked, saved):
             raise ConfigError(
                 f"model.lora.{name}",
                 f"{mine!r} cannot be combined with model.adapter, trained with {theirs!r}: the adapter "
