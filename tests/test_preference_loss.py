@@ -24,16 +24,10 @@ import pytest
 import torch
 
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.answer_logps import PairLogps, answer_logps, answer_token_logps
+from lit_instruct.loss.dpo_losses import DPO_LOSSES
 from lit_instruct.loss.logits import LogitTransform
-from lit_instruct.loss.preference import (
-    DPO_LOSSES,
-    PairLogps,
-    PreferenceConfig,
-    PreferenceLoss,
-    answer_logps,
-    answer_token_logps,
-    mean_metrics,
-)
+from lit_instruct.loss.preference import PreferenceConfig, PreferenceLoss, mean_metrics
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")

@@ -4,7 +4,7 @@ Everything but the steps is :class:`~lit_instruct.train.module.InstructLoRAModul
 (families, LoRA variants, QLoRA, fused LoRA), optimizer, schedule, checkpoints and adapter writing.
 A step runs the trunk once over a ``[chosen rows; rejected rows]`` batch
 (:class:`~lit_instruct.data.preference_datamodule.PreferenceDataModule`) and sums each answer's
-log-probability through the chunked lm_head path (:func:`~lit_instruct.loss.preference.answer_logps`).
+log-probability through the chunked lm_head path (:func:`~lit_instruct.loss.answer_logps.answer_logps`).
 
 The reference (DPO, IPO; none with ``reference_free``) is the policy's own weights with the adapter
 switched off (peft's ``disable_adapter``: the fused LoRA layers then run peft's path, which skips the
@@ -39,11 +39,10 @@ from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.distributed import full_tensor
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.answer_logps import PairLogps, answer_token_logps
 from lit_instruct.loss.preference import (  # PreferenceConfig: importable from here too
-    PairLogps,
     PreferenceConfig,
     PreferenceLoss,
-    answer_token_logps,
 )
 from lit_instruct.train.module import InstructLoRAModule
 from lit_instruct.train.window import gradient_factor, scale_gradients
