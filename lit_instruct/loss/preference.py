@@ -24,7 +24,6 @@ trainers in ``tests/test_preference_loss.py``):
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -220,10 +219,9 @@ class PreferenceLoss:
             reference = policy.zeros() if self.reference_free else reference
             assert reference is not None
             chosen, rejected = policy.chosen - reference.chosen, policy.rejected - reference.rejected
-            score = functools.partial(
-                F_DIVERGENCES[self.f_divergence_type], alpha=self.f_alpha_divergence_coef
-            )
-            ratios = LogRatios(chosen, rejected, score(chosen), score(rejected), policy, reference, nll)
+            divergence, alpha = F_DIVERGENCES[self.f_divergence_type], self.f_alpha_divergence_coef
+            scores = divergence(chosen, alpha), divergence(rejected, alpha)
+            ratios = LogRatios(chosen, rejected, *scores, policy, reference, nll)
             loss: torch.Tensor | float = 0.0
             for name, weight in zip(self.loss_types, self.weights, strict=True):
                 loss = loss + DPO_LOSSES[name](ratios, self).mean() * weight
