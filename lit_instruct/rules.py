@@ -92,6 +92,10 @@ VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     ),
     "model.warmup_steps": (lambda v: _int(v) and v >= 0, "must be an integer >= 0"),
     "model.min_lr_ratio": (lambda v: _number(v) and 0 <= v <= 1, "must be in [0, 1]"),
+    "model.neftune_noise_alpha": (
+        lambda v: v is None or (_number(v) and v > 0),
+        "must be a positive number (NEFTune's noise scale, 5 in its paper) or null",
+    ),
     "model.checkpoint_layers": (
         lambda v: v is None or (_int(v) and v >= 0),
         "must be an integer >= 0 or null",
@@ -243,6 +247,14 @@ CONFLICTS: tuple[Conflict, ...] = (
         "the pair losses sum each answer's log-probabilities through their own chunked lm_head path; "
         "model.loss chooses the SFT cross-entropy (leave it unset)",
         ("reference", {"kind": "dpo"}),
+    ),
+    Conflict(
+        "model.neftune_noise_alpha",
+        "model.preference",
+        lambda alpha, preference: alpha is not None and preference is not None,
+        "NEFTune adds noise to the embeddings of SFT's training steps; the pair losses' reference "
+        "pass would need a rule of its own (TRL's trainers differ on it)",
+        (5.0, {"kind": "dpo"}),
     ),
     Conflict(
         "data.streaming",

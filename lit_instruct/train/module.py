@@ -36,6 +36,7 @@ from lit_instruct.models.eva_init import EvaResult
 from lit_instruct.models.generation import generate
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
+from lit_instruct.models.neftune import add_embedding_noise
 from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.train.fit_report import FitReport
@@ -156,6 +157,9 @@ class InstructLoRAModule(L.LightningModule):
             structure (rank, alpha, targets, variant), every tensor loaded into a layer of the same
             shape (an adapter of another base is an error); ``lora``'s structural fields are left
             unset or must agree, its ``loraplus_lr_ratio`` applies.
+        neftune_noise_alpha: NEFTune: uniform noise of scale ``alpha / sqrt(length * hidden)`` added to
+            the input embeddings in training steps only (never in validation or generation), as
+            ``transformers``' own hook adds it for TRL's ``SFTTrainer``; ``None``: off.
         added_tokens: tokens added to the vocabulary, in the data's order (the CLI links
             ``data.new_tokens``' resolved list): the embedding (and an untied head) grows rows for
             them, at the mean of the others, and those rows train (``lora.modules_to_save`` trains
@@ -186,6 +190,7 @@ class InstructLoRAModule(L.LightningModule):
         optimizer: OptimizerCallable | None = None,
         adapter: str | None = None,
         added_tokens: list[str] | None = None,
+        neftune_noise_alpha: float | None = None,
     ) -> None:
         super().__init__()
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
@@ -219,6 +224,8 @@ class InstructLoRAModule(L.LightningModule):
             options, self.lora_config, self.quantization, meta_ranks, meta_ranks and launched_rank() > 0
         )
         self.model = built.peft_model
+        if neftune_noise_alpha is not None:
+            add_embedding_noise(self.model, neftune_noise_alpha)
         self.logit_transform = built.logit_transform
         self.router_aux_loss = built.router_aux_loss
         self.fused_layers = built.fused_layers

@@ -130,6 +130,10 @@ class PreferenceLoRAModule(InstructLoRAModule):
         self.preference_loss = self.preference.loss()  # checked before the model loads
         if kwargs.get("packing"):
             raise ConfigError("model.packing", "must be false for preference training: pairs are padded rows")
+        if kwargs.get("neftune_noise_alpha") is not None:
+            raise ConfigError(
+                "model.neftune_noise_alpha", "applies to SFT: the pair losses take no embedding noise"
+            )
         super().__init__(*args, **kwargs)
         self.hparams["preference"] = asdict(self.preference)
         self.pair_window = PairWindow(metric_names(self.preference_loss))
