@@ -649,3 +649,25 @@ def test_refusals():
         PreferenceLoss("kto")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="outside the vocabulary"):
         answer_logps(torch.zeros(1, 2, 4), torch.zeros(5, 4), torch.tensor([[1, 7]]))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"kind": "dpo"},
+        {"kind": "dpo", "rpo_alpha": 0.5},
+        {"kind": "dpo", "loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+        {"kind": "ipo"},
+        {"kind": "simpo"},
+        {"kind": "simpo", "rpo_alpha": 1.0},
+        {"kind": "orpo"},
+    ],
+    ids=lambda s: "-".join(f"{v}" for v in s.values()),
+)
+def test_the_declared_metric_names_are_what_a_call_returns(settings: dict) -> None:
+    loss = PreferenceLoss(**settings)
+    tokens = torch.tensor([3.0, 5.0])
+    policy = PairLogps(torch.tensor([-4.0, -6.0]), torch.tensor([-5.0, -7.0]), tokens, tokens)
+    reference = PairLogps(torch.tensor([-4.5, -6.5]), torch.tensor([-4.8, -6.9]), tokens, tokens)
+    _, metrics = loss(policy, reference if loss.needs_reference else None)
+    assert tuple(metrics) == loss.metric_names

@@ -196,6 +196,17 @@ class PreferenceLoss:
         return (1.0,) * len(self.loss_types)
 
     @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The per-pair metrics a call returns (TRL's names), in their order: declared here, each
+        call's keys checked equal in the tests."""
+        names = (*REWARD_METRICS, "logps/chosen", "logps/rejected")
+        if self.kind == "orpo":
+            names += ("log_odds_ratio", "log_odds_chosen")
+        if self.kind == "orpo" or self.rpo_alpha:
+            names += ("nll_loss",)
+        return names
+
+    @property
     def needs_reference(self) -> bool:
         return self.kind in NEEDS_REFERENCE and not self.reference_free
 
@@ -261,6 +272,10 @@ def _listed(value: object) -> str:
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, without cancellation on either side of ``-ln 2``."""
     return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+REWARD_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+"""TRL's reward metrics, in its order (:func:`reward_metrics`)."""
 
 
 def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -49,10 +49,8 @@ from lit_instruct.train.window import gradient_factor, scale_gradients
 
 
 def metric_names(loss: PreferenceLoss) -> list[str]:
-    """The per-pair metrics ``loss`` reports (TRL's names), in its order."""
-    one = torch.zeros(1)
-    pairs = PairLogps(one - 1, one - 2, one + 1, one + 1)
-    return list(loss(pairs, pairs if loss.needs_reference else None)[1])
+    """The per-pair metrics ``loss`` reports (TRL's names), in its order (declared by the loss)."""
+    return list(loss.metric_names)
 
 
 @dataclass(frozen=True)
