@@ -199,7 +199,7 @@ class PreferenceLoss:
     def metric_names(self) -> tuple[str, ...]:
         """The per-pair metrics a call returns (TRL's names), in their order: declared here, each
         call's keys checked equal in the tests."""
-        names = (*REWARD_METRICS, "logps/chosen", "logps/rejected")
+        names: tuple[str, ...] = (*REWARD_METRICS, "logps/chosen", "logps/rejected")
         if self.kind == "orpo":
             names += ("log_odds_ratio", "log_odds_chosen")
         if self.kind == "orpo" or self.rpo_alpha:
