@@ -188,6 +188,16 @@ def write_chats(path: Path, chats: list[list[tuple[str, str]]]) -> Path:
     return path
 
 
+def write_pairs(path: Path, answers: list[str]) -> Path:
+    """A pairs JSONL file at ``path``: question ``i`` chooses ``answers[i]`` over the answer two on."""
+    rows = [
+        {"prompt": f"Question {i}?", "chosen": answer, "rejected": answers[(i + 2) % len(answers)]}
+        for i, answer in enumerate(answers)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
 class SeenSamples(L.Callback):
     """Every sample a training batch trained on, with its epoch: ``(epoch, token ids)`` (padding left
     out, and the repeats that even out the ranks, which count no token)."""

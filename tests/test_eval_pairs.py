@@ -25,6 +25,7 @@ from lit_instruct.model_card import TrainingCard, recorded_preference
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import InstructLoRAModule
 from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
+from tests.helpers import write_pairs
 from tests.test_preference_loss import _perturb_lora
 
 BETA = 0.2
@@ -45,13 +46,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pairs_file(folder: Path) -> Path:
-    path = folder / "pairs.jsonl"
-    rows = [
-        {"prompt": f"Question {i}?", "chosen": answer, "rejected": ANSWERS[(i + 2) % len(ANSWERS)]}
-        for i, answer in enumerate(ANSWERS)
-    ]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_pairs(folder / "pairs.jsonl", ANSWERS)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ the SFT model, not the base); one training step's loss, metrics and LoRA gradien
 from __future__ import annotations
 
 import csv
-import json
 import math
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from tests.helpers import (
     assert_resumed_as_uninterrupted,
     recorded_fit,
     trainer,
+    write_pairs,
 )
 from tests.test_preference_loss import (  # noqa: F401  (pair_ids: a fixture)
     LOGPS_METRICS,
@@ -53,13 +53,7 @@ ANSWERS = ["Yes.", "No", " ".join(["a very long answer"] * 12), "Four.", "A medi
 @pytest.fixture
 def pairs_file(tmp_path: Path) -> Path:
     """Five pairs whose answers run from 1 to ~50 tokens."""
-    path = tmp_path / "pairs.jsonl"
-    rows = [
-        {"prompt": f"Question {i}?", "chosen": answer, "rejected": ANSWERS[(i + 2) % len(ANSWERS)]}
-        for i, answer in enumerate(ANSWERS)
-    ]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
+    return write_pairs(tmp_path / "pairs.jsonl", ANSWERS)
 
 
 def _data(tiny_model_dir: Path, pairs_file: Path, batch_size: int) -> PreferenceDataModule:

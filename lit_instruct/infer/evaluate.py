@@ -42,7 +42,6 @@ def evaluate(
     """Validation metrics of ``module`` (:func:`load_adapter_module`) as ``"adapter"`` and, with
     ``with_base``, of its base (``"base"``) on ``data``: ``val/loss``, ``val/ppl``, ``val/tokens`` and
     ``val/loss/<file>``."""
-    import lightning as L
 
     from lit_instruct.data.datamodule import InstructDataModule
 
@@ -53,14 +52,7 @@ def evaluate(
         eval_batch_size=batch_size,
         chat_template=chat_template,
     )
-    trainer = L.Trainer(
-        accelerator="auto",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer()
 
     def run() -> dict[str, float]:
         (metrics, *_) = trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -71,6 +63,20 @@ def evaluate(
         with module.model.disable_adapter():
             results["base"] = run()
     return results
+
+
+def quiet_trainer() -> Any:
+    """A one-device Trainer for ``eval``'s validation: no logger, checkpoints, bars or summary."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="auto",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 def results_table(results: Mapping[str, Mapping[str, float]]) -> str:

@@ -26,7 +26,7 @@ from lit_instruct.adapter_folder import (
     read_weights,
 )
 from lit_instruct.errors import ConfigError
-from lit_instruct.infer.evaluate import aligned
+from lit_instruct.infer.evaluate import aligned, quiet_trainer
 from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.model_card import recorded_preference
 from lit_instruct.models.lora import STRUCTURE, lora_config_of, same_structure
@@ -161,8 +161,6 @@ def evaluate_pairs(
 ) -> dict[str, dict[str, float]]:
     """Validation metrics of ``module`` (:func:`load_pair_module`) on the pairs of ``data`` as
     ``"adapter"``: ``val/loss``, ``val/rewards/*``, ``val/logps/*`` (and ORPO's), ``val/pairs``."""
-    import lightning as L
-
     from lit_instruct.data.preference_datamodule import PreferenceDataModule
 
     datamodule = PreferenceDataModule(
@@ -172,15 +170,7 @@ def evaluate_pairs(
         eval_batch_size=batch_size,
         chat_template=chat_template,
     )
-    trainer = L.Trainer(
-        accelerator="auto",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    (metrics, *_) = trainer.validate(module, datamodule=datamodule, verbose=False)
+    (metrics, *_) = quiet_trainer().validate(module, datamodule=datamodule, verbose=False)
     return {"adapter": {name: float(value) for name, value in metrics.items()}}
 
 
