@@ -684,7 +684,6 @@ def eval_main(argv: list[str]) -> None:
     preference pairs, its preference metrics against a reference (the base, or ``--reference``)."""
     from lit_instruct.data.kind import holds_pairs
     from lit_instruct.infer.evaluate import evaluate, load_adapter_module, results_table, write_answers
-    from lit_instruct.loss.preference import PreferenceKind
 
     parser = argparse.ArgumentParser(prog="lit-instruct eval", description=eval_main.__doc__)
     parser.add_argument("--adapter", required=True, help="adapter folder written by training")

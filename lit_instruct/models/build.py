@@ -28,6 +28,7 @@ from lit_instruct.models.fused_lora import FusedLayers, fuse_lora
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig, load_base_model
 from lit_instruct.models.lora import LoRAConfig, attach_lora, load_lora
 from lit_instruct.models.moe import RouterAuxLoss
+from lit_instruct.models.neftune import add_embedding_noise
 from lit_instruct.models.new_tokens import grow_embeddings, trainable_token_indices
 from lit_instruct.models.output_head import output_head
 from lit_instruct.models.packing import enable_packing
@@ -57,6 +58,8 @@ class ModelOptions:
     added_tokens: list[str] | None = None
     """Tokens added to the vocabulary (the data's ``new_tokens``): embedding rows grown for them and
     trained (peft's ``trainable_token_indices``, unless ``lora.modules_to_save`` trains the modules whole)."""
+    neftune_noise_alpha: float | None = None
+    """NEFTune's noise scale on the input embeddings in training mode (:mod:`lit_instruct.models.neftune`)."""
 
 
 @dataclass
@@ -161,6 +164,8 @@ def build_trainable_model(
     if options.compile_layers:
         for layer in decoder_of(base).layers:
             layer.compile(dynamic=True)
+    if options.neftune_noise_alpha is not None:
+        add_embedding_noise(peft_model, options.neftune_noise_alpha)
     return TrainableModel(peft_model, transform, router_aux_loss, fused, on_meta, initial)
 
 

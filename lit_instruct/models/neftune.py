@@ -5,19 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from lit_instruct.errors import ConfigError
-
 
 def add_embedding_noise(model: Any, alpha: float) -> Any:
     """Add uniform noise of scale ``alpha / sqrt(length * hidden)`` to ``model``'s input embeddings
     whenever the embedding module is in training mode (a PEFT model or a ``transformers`` one);
-    returns the hook's handle.
-
-    Raises:
-        ConfigError: naming ``model.neftune_noise_alpha`` for an ``alpha`` that is not positive.
-    """
+    returns the hook's handle. ``alpha`` is checked with the other model settings
+    (``model.neftune_noise_alpha`` in :mod:`lit_instruct.rules`), before any weight is read."""
     from transformers.integrations.neftune import activate_neftune
 
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
-        raise ConfigError("model.neftune_noise_alpha", f"must be a positive number or null, got {alpha!r}")
     return activate_neftune(model, float(alpha))

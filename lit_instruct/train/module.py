@@ -36,7 +36,6 @@ from lit_instruct.models.eva_init import EvaResult
 from lit_instruct.models.generation import generate
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
-from lit_instruct.models.neftune import add_embedding_noise
 from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.train.fit_report import FitReport
@@ -218,14 +217,13 @@ class InstructLoRAModule(L.LightningModule):
             compile_layers=compile_layers,
             adapter=adapter,
             added_tokens=added_tokens or None,
+            neftune_noise_alpha=neftune_noise_alpha,
         )
         meta_ranks = low_memory_load and self.quantization.method == "none"
         built = build_trainable_model(
             options, self.lora_config, self.quantization, meta_ranks, meta_ranks and launched_rank() > 0
         )
         self.model = built.peft_model
-        if neftune_noise_alpha is not None:
-            add_embedding_noise(self.model, neftune_noise_alpha)
         self.logit_transform = built.logit_transform
         self.router_aux_loss = built.router_aux_loss
         self.fused_layers = built.fused_layers
