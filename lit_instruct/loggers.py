@@ -44,6 +44,11 @@ STARTED_RUNS: list[Any] = []
 """The W&B runs an :class:`AutoWandbLogger` started in this process (a user's own run is theirs)."""
 
 
+def sync_folder(run: Any) -> str:
+    """The folder of a W&B run that ``wandb sync`` takes (its files' folder's parent)."""
+    return str(run.dir).removesuffix("/files")
+
+
 def _said_in_environment() -> bool:
     return any(os.environ.get(name) not in (None, "") for name in QUIET_VARIABLES)
 
@@ -105,7 +110,7 @@ class AutoWandbLogger(WandbLogger):
             STARTED_RUNS.append(run)
         if self._fallback_reason is not None:
             reason, self._fallback_reason = self._fallback_reason, None
-            folder = run.dir.removesuffix("/files")  # the run folder `wandb sync` takes
+            folder = sync_folder(run)
             warnings.warn(
                 f"{reason}: logging offline to {folder}; upload it later with `wandb sync {folder}`",
                 stacklevel=2,
@@ -121,7 +126,7 @@ def finish_wandb_runs(exit_code: int | None = None) -> None:
         run = STARTED_RUNS.pop()
         if getattr(run, "_is_finished", False):
             continue
-        folder = run.dir.removesuffix("/files")  # the run folder `wandb sync` takes
+        folder = sync_folder(run)
         offline = bool(getattr(run, "offline", False))
         run.finish(exit_code=exit_code)
         if offline:
