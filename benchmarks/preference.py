@@ -76,9 +76,10 @@ def preference_records(count: int, tokenizer) -> list[dict]:
 
 def datamodule(data: Path):
     """Our data module on the benchmark's pairs: ``BATCH`` pairs a batch, no validation."""
-    from lit_instruct.data.preference_datamodule import PreferenceDataModule
+    from lit_instruct import InstructDataModule
 
-    return PreferenceDataModule(
+    return InstructDataModule(
+        batch_kind="pairs",
         train_files=[str(data)],
         max_seq_len=MAX_LENGTH,
         batch_size=BATCH,
@@ -91,9 +92,9 @@ def datamodule(data: Path):
 def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
     import lightning as L
 
-    from lit_instruct import LoRAConfig
+    from lit_instruct import InstructLoRAModule, LoRAConfig
     from lit_instruct.batch import num_tokens
-    from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
+    from lit_instruct.loss.preference import PreferenceConfig
     from lit_instruct.train.trainer import InstructTrainer
 
     class StepClock(L.Callback):
@@ -113,7 +114,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
         L.seed_everything(SEED)
         options = dict(options)
         precompute = options.pop("precompute_reference", False)
-        module = PreferenceLoRAModule(
+        module = InstructLoRAModule(
             preference=PreferenceConfig(kind="dpo", beta=BETA, precompute_reference=precompute),
             lora=LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules="all-linear"),
             learning_rate=LR,

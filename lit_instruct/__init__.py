@@ -26,12 +26,21 @@ _EXPORTS = {
     "InstructTrainer": "lit_instruct.train.trainer",
     "LoRAConfig": "lit_instruct.models.lora",
     "PreferenceConfig": "lit_instruct.loss.preference",
-    "PreferenceDataModule": "lit_instruct.data.preference_datamodule",
-    "PreferenceLoRAModule": "lit_instruct.train.preference_module",
+    "Objective": "lit_instruct.objectives.base",
+    "ObjectiveSums": "lit_instruct.objectives.base",
+    "SFT": "lit_instruct.objectives.sft",
+    "DPO": "lit_instruct.objectives.pairs",
+    "IPO": "lit_instruct.objectives.pairs",
+    "SimPO": "lit_instruct.objectives.pairs",
+    "ORPO": "lit_instruct.objectives.pairs",
     "fused_linear_cross_entropy": "lit_instruct.loss.fused",
 }
 
 __all__ = [
+    "DPO",
+    "IPO",
+    "ORPO",
+    "SFT",
     "DataSource",
     "FusedLinearCrossEntropy",
     "InstructDataModule",
@@ -40,23 +49,25 @@ __all__ = [
     "LoRAConfig",
     "LoRADDPStrategy",
     "LoRAFSDPStrategy",
+    "Objective",
+    "ObjectiveSums",
     "OneDeviceStrategy",
     "PreferenceConfig",
-    "PreferenceDataModule",
-    "PreferenceLoRAModule",
+    "SimPO",
     "__version__",
     "fused_linear_cross_entropy",
 ]
 
 if TYPE_CHECKING:
     from lit_instruct.data.datamodule import InstructDataModule
-    from lit_instruct.data.preference_datamodule import PreferenceDataModule
     from lit_instruct.data.sources import DataSource
     from lit_instruct.loss.fused import FusedLinearCrossEntropy, fused_linear_cross_entropy
     from lit_instruct.loss.preference import PreferenceConfig
     from lit_instruct.models.lora import LoRAConfig
+    from lit_instruct.objectives.base import Objective, ObjectiveSums
+    from lit_instruct.objectives.pairs import DPO, IPO, ORPO, SimPO
+    from lit_instruct.objectives.sft import SFT
     from lit_instruct.train.module import InstructLoRAModule
-    from lit_instruct.train.preference_module import PreferenceLoRAModule
     from lit_instruct.train.strategy import (
         LoRADDPStrategy,
         LoRAFSDPStrategy,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from lit_instruct.labels import IGNORE_INDEX
 
@@ -21,3 +21,8 @@ def num_response_tokens(batch: Mapping[str, Any]) -> int:
     if "num_response_tokens" in batch:
         return int(batch["num_response_tokens"])
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+BatchKind = Literal["conversations", "pairs", "unpaired"]
+"""What a batch holds, as an objective takes it: rendered conversations (SFT), ``[chosen; rejected]``
+preference pairs, or unpaired answers labelled desirable or not (KTO)."""

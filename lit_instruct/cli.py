@@ -28,16 +28,17 @@ from lit_instruct.callbacks import GracefulInterrupt, PlainProgress
 from lit_instruct.callbacks.interrupt import forced_exit_status
 from lit_instruct.cpu_threads import sharing_cores, usable_cores
 from lit_instruct.data.datamodule import InstructDataModule
-from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.distributed import launched_rank
 from lit_instruct.errors import ConfigError, closest
 from lit_instruct.fit_help import HELP_ALL, short_help
 from lit_instruct.io import check_replaceable
 from lit_instruct.loggers import finish_wandb_runs
-from lit_instruct.loss.preference import PreferenceKind
+from lit_instruct.loss.preference import PreferenceConfig, PreferenceKind
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.output_head import UnsupportedModelError
+from lit_instruct.objectives.base import init_parameters
+from lit_instruct.objectives.choice import OBJECTIVES, batch_kind_of, objective_class
 from lit_instruct.precision import AUTO, auto_precision, base_dtype
 from lit_instruct.preflight import check_adapter_dir, check_config, check_trains_something
 from lit_instruct.preflight.resume import resolve_last
@@ -45,7 +46,6 @@ from lit_instruct.secrets import redact
 from lit_instruct.train.checkpoint_io import SafeCheckpointIO
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.module import InstructLoRAModule
-from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
 from lit_instruct.train.trainer import InstructTrainer
 
 
@@ -103,7 +103,8 @@ class OneLineErrorParser(LightningArgumentParser):
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "").split()
         command = " ".join(["lit-instruct", *(prog[1:] or ["fit"])])  # not `__main__.py` (python -m)
-        line = in_our_words(union_error(" ".join(message.split())), list(parser._option_string_actions))
+        flat = " ".join(message.split())
+        line = objective_error(flat) or in_our_words(union_error(flat), list(parser._option_string_actions))
         sys.stderr.write(f"lit-instruct: config error: {line} (`{command} --help` lists the settings)\n")
         raise SystemExit(2)
 
@@ -140,6 +141,44 @@ def in_our_words(line: str, options: list[str]) -> str:
     return line
 
 
+def objective_error(line: str) -> str | None:
+    """jsonargparse's error for ``model.objective`` (a union of a name and a class), in our words:
+    a name that is no objective (a short name given as ``class_path`` says how to write it), or the
+    chosen class's own complaint about its ``init_args``; ``None`` for another setting's error."""
+    if line.startswith("argument batch_kind_of("):  # a link's target: not the user's to set
+        return "data.batch_kind: is set by model.objective (the batch kind it takes): choose the objective"
+    if not line.startswith('Parser key "model.objective":'):
+        return None
+    inner = re.search(r"Problem with given class_path '([^']*)': (.*?) - Expected a typing", line)
+    if inner:
+        cls = inner.group(1).rpartition(".")[2]
+        option = re.match(r"Option '([^']+)' is not accepted", inner.group(2))
+        if option:
+            known = init_parameters(objective_class(inner.group(1)))
+            return f"model.objective.init_args.{option.group(1)}: is not a setting of {cls}" + closest(
+                option.group(1), known
+            )
+        nested = re.match(r'Parser key "([^"]+)": (.*)', inner.group(2))
+        if nested:
+            return f"model.objective.init_args.{nested.group(1)}: {nested.group(2)}"
+        return f"model.objective: {cls}: {inner.group(2)}"
+    given = re.search(r"Expected a dot import path string: (\S+)", line)
+    if given is None:
+        return None
+    name = given.group(1)
+    if name.lower() in OBJECTIVES:
+        cls = OBJECTIVES[name.lower()].__name__
+        return (
+            f"model.objective: {name!r} is a short name: write model.objective: {name.lower()} (its "
+            f"defaults), or class_path: {cls} with its init_args"
+        )
+    names = ", ".join(OBJECTIVES)
+    return (
+        f"model.objective: {name!r} is none of {names}{closest(name.lower(), list(OBJECTIVES))}, nor the "
+        "class name or import path of an Objective subclass"
+    )
+
+
 def union_error(line: str) -> str:
     """jsonargparse's error for a settings group typed ``X | None`` (``model.preference``), cut to the
     group's own complaint: ``model.preference.beta: Expected a <class 'float'>. Got value: abc``."""
@@ -151,37 +190,6 @@ def union_error(line: str) -> str:
     if nested:
         return f"{key.group(1)}.{nested.group(1)}: {nested.group(2)}"
     return f"{key.group(1)}: {inner.group(1)}"
-
-
-def preference_requested(args: list[str] | Mapping[str, Any] | None) -> bool:
-    """Whether the command line asks for preference training: ``model.preference`` set (not null) in a
-    config file (``--config`` / ``-c``) or as ``--model.preference...``, the last one given deciding
-    (the classes are chosen before parsing, so that every other config keeps
-    :class:`InstructLoRAModule` and :class:`InstructDataModule`)."""
-    if isinstance(args, Mapping):
-        return (args.get("model") or {}).get("preference") is not None
-    argv = list(sys.argv[1:] if args is None else args)
-    wanted = False
-    for index, arg in enumerate(argv):
-        following = argv[index + 1] if index + 1 < len(argv) else None
-        name, _, value = arg.partition("=")
-        if name == "--model.preference":
-            given = value if value else following
-            wanted = given is not None and given.strip().lower() not in ("null", "none", "~")
-        elif name.startswith("--model.preference."):
-            wanted = True
-        elif name in ("--config", "-c"):
-            path = value or following
-            if path is None or not Path(path).is_file():
-                continue  # the parser reports it
-            try:
-                config = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-            except yaml.YAMLError:
-                continue  # the parser reports it
-            model = config.get("model") if isinstance(config, dict) else None
-            if isinstance(model, dict) and "preference" in model:
-                wanted = model["preference"] is not None
-    return wanted
 
 
 SAVED_CONFIG_HEADER = "# lightning.pytorch=="
@@ -246,10 +254,7 @@ class InstructCLI(LightningCLI):
         kwargs.setdefault("save_config_callback", ConfigToLoggers)
         kwargs.setdefault("trainer_class", InstructTrainer)
         kwargs.setdefault("parser_class", OneLineErrorParser)
-        if preference_requested(kwargs.get("args")):  # DPO & co: the same settings, and model.preference
-            super().__init__(PreferenceLoRAModule, PreferenceDataModule, **kwargs)
-        else:
-            super().__init__(InstructLoRAModule, InstructDataModule, **kwargs)
+        super().__init__(InstructLoRAModule, InstructDataModule, **kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -261,6 +266,9 @@ class InstructCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.model", "data.tokenizer")
         parser.link_arguments("data.packing", "model.packing")
+        parser.link_arguments(
+            ("model.objective", "model.preference"), "data.batch_kind", compute_fn=batch_kind_of
+        )
         parser.link_arguments("data", "model.added_tokens", compute_fn=_added_tokens, apply_on="instantiate")
         parser.add_argument(
             "--validate_before_fit", type=bool, default=True, help="Measure val/loss before training starts."
@@ -513,7 +521,7 @@ def inspect_main(argv: list[str]) -> None:
     prepared = data.prepared = data.prepare_samples()
     tokenizer = data.load_tokenizer()
     train, val, shown = prepared.train, prepared.val, args.samples
-    if isinstance(data, PreferenceDataModule):  # each pair as two samples: its chosen, then its rejected
+    if data.batch_kind == "pairs":  # each pair as two samples: its chosen, then its rejected
         train, val, shown = data.pairs("train").samples(), data.pairs("val").samples(), 2 * shown
     reports = [
         *source_reports("train", train, prepared.counts["train"], shown),

@@ -143,6 +143,10 @@ def _strategy(value: Any) -> str:
     return value if isinstance(value, str) else type(value).__qualname__
 
 
+BATCH_KIND = "data.batch_kind"
+"""What the data's batches hold: the objective's batch kind (the CLI links it to ``model.objective``)."""
+
+
 @dataclass(frozen=True)
 class Conflict:
     """Two settings that cannot go together when ``clash`` holds on their values."""
@@ -241,20 +245,47 @@ CONFLICTS: tuple[Conflict, ...] = (
         ({"class_path": "lit_instruct.train.strategy.LoRAFSDPStrategy", "init_args": {"hybrid": True}}, 1),
     ),
     Conflict(
-        "model.loss",
-        "model.preference",
-        lambda loss, preference: preference is not None and loss not in (None, "fused"),
-        "the pair losses sum each answer's log-probabilities through their own chunked lm_head path; "
-        "model.loss chooses the SFT cross-entropy (leave it unset)",
-        ("reference", {"kind": "dpo"}),
+        "data.packing",
+        "data.batch_kind",
+        lambda packing, kind: bool(packing) and kind != "conversations",
+        "pairs and labelled answers are padded rows, the chosen beside the rejected (KTO: beside the "
+        "mismatched completions of its KL estimate)",
+        (True, "pairs"),
     ),
     Conflict(
-        "model.neftune_noise_alpha",
-        "model.preference",
-        lambda alpha, preference: alpha is not None and preference is not None,
-        "NEFTune adds noise to the embeddings of SFT's training steps; the pair losses' reference "
-        "pass would need a rule of its own (TRL's trainers differ on it)",
-        (5.0, {"kind": "dpo"}),
+        "data.streaming",
+        "data.batch_kind",
+        lambda streaming, kind: bool(streaming) and kind != "conversations",
+        "pairs and labelled answers are read and split by prompt before training",
+        (True, "pairs"),
+    ),
+    Conflict(
+        "data.chatterbot_categories",
+        "data.batch_kind",
+        lambda categories, kind: bool(categories) and kind != "conversations",
+        "the chatterbot corpus holds conversations, no preference pairs or labelled answers",
+        (["greetings"], "pairs"),
+    ),
+    Conflict(
+        "data.train_on",
+        "data.batch_kind",
+        lambda train_on, kind: train_on not in (None, "answers") and kind != "conversations",
+        "pairs and labelled answers train their answers only",
+        ("all", "pairs"),
+    ),
+    Conflict(
+        "data.multi_turn",
+        "data.batch_kind",
+        lambda multi_turn, kind: multi_turn not in (None, "auto", "last") and kind != "conversations",
+        "only each record's last answer is trained (multi_turn: auto or last)",
+        ("per_turn", "pairs"),
+    ),
+    Conflict(
+        "data.format",
+        "data.batch_kind",
+        lambda record_format, kind: record_format not in (None, "auto") and kind != "conversations",
+        "the layouts of pairs and labelled answers are told apart per record (format: auto)",
+        ("alpaca", "pairs"),
     ),
     Conflict(
         "data.streaming",
@@ -274,10 +305,11 @@ def refuse_conflicts(settings: Mapping[str, Any]) -> None:
             continue
         first, second = settings[conflict.first], settings[conflict.second]
         if conflict.clash(first, second):
+            other = f"{conflict.second}: {shown(second)}"
+            if conflict.second == BATCH_KIND:  # set by the objective, not by the user
+                other = f"model.objective (its batch kind: {second})"
             raise ConfigError(
-                conflict.first,
-                f"{shown(first)} cannot be combined with {conflict.second}: {shown(second)}: "
-                f"{conflict.reason}",
+                conflict.first, f"{shown(first)} cannot be combined with {other}: {conflict.reason}"
             )
 
 

@@ -271,3 +271,20 @@ def assert_resumed_as_uninterrupted(resumed: Recorder, uninterrupted: Recorder, 
         torch.testing.assert_close(
             final[name], expected[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def pair_losses(module: InstructLoRAModule, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A pair objective's sums of ``batch``: the summed loss, the metric sums (in the objective's
+    ``metric_names`` order), the counted pairs and their answers' tokens."""
+    sums = module.objective_sums(batch)
+    assert sums.metric_sums is not None
+    return sums.loss_sum, sums.metric_sums, sums.count, sums.answer_tokens
+
+
+def pair_logps(module: InstructLoRAModule, batch: dict):
+    """Each answer's summed log-probability under ``module`` as it is now (its pair objective's
+    ``ld_alpha``)."""
+    from lit_instruct.objectives.pairs import answer_logps_of
+
+    ld_alpha = module.objective.preference_loss.ld_alpha  # type: ignore[attr-defined]
+    return answer_logps_of(module, batch, module.trunk(batch)[0], ld_alpha)

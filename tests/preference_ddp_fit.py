@@ -28,15 +28,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_instruct.callbacks import SkipNonFiniteSteps
-from lit_instruct.data.preference_datamodule import PreferenceDataModule
+from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.distributed import full_tensor
+from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.models.lora import LoRAConfig
-from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
+from lit_instruct.train.module import InstructLoRAModule
 from tests.ddp_fit import free_port
 from tests.helpers import FaultyModule
 
 
-class PreferenceFaulty(FaultyModule, PreferenceLoRAModule):
+class PreferenceFaulty(FaultyModule, InstructLoRAModule):
     """A NaN loss in the micro-batches of chosen optimizer steps (``nan_loss_at``: 0-based, across
     epochs), on ``fault_rank`` only if given. Counts the reference passes (the model switched to the
     reference): all of them, and those inside the training and validation steps."""
@@ -49,10 +50,10 @@ class PreferenceFaulty(FaultyModule, PreferenceLoRAModule):
         self.reference_passes += 1
         return super().reference_model()
 
-    def pair_losses(self, batch):
+    def objective_sums(self, batch):
         before = self.reference_passes
         try:
-            return super().pair_losses(batch)
+            return super().objective_sums(batch)
         finally:
             self.step_reference_passes += self.reference_passes - before
 
@@ -80,7 +81,7 @@ class StepRecorder(L.Callback):
         if trainer.global_step == self._step:  # a micro-batch inside an accumulation window
             return
         self._step = trainer.global_step
-        names = ["loss", "pairs", *pl_module.pair_window.names]
+        names = ["loss", "pairs", *pl_module.objective.metric_names]
         self.steps.append({name: float(trainer.callback_metrics[f"train/{name}"]) for name in names})
         trained = ((n, p) for n, p in pl_module.named_parameters() if p.requires_grad)
         self.weights.append({n: full_tensor(p.detach()).clone() for n, p in trained})
@@ -90,7 +91,7 @@ class StepRecorder(L.Callback):
         self.validations.append((trainer.global_step, metrics))
 
 
-def setup(args: dict[str, Any], batch_size: int) -> tuple[PreferenceLoRAModule, PreferenceDataModule]:
+def setup(args: dict[str, Any], batch_size: int) -> tuple[InstructLoRAModule, InstructDataModule]:
     """The module and data, the same in every process (``batch_size`` pairs a micro-batch)."""
     L.seed_everything(0)
     adapter = args.get("adapter")
@@ -111,7 +112,8 @@ def setup(args: dict[str, Any], batch_size: int) -> tuple[PreferenceLoRAModule, 
             for name, p in module.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
-    data = PreferenceDataModule(
+    data = InstructDataModule(
+        batch_kind="pairs",
         tokenizer=args["model"],
         train_files=[args["train"]],
         val_files=[args["val"]],

@@ -16,15 +16,15 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lit_instruct.cli import main
+from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.kind import data_kind
-from lit_instruct.data.preference_datamodule import PreferenceDataModule
 from lit_instruct.errors import ConfigError
 from lit_instruct.infer.evaluate_pairs import evaluate_pairs, load_pair_module, pair_settings
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.model_card import TrainingCard, recorded_preference
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.train.module import InstructLoRAModule
-from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
 from tests.helpers import write_pairs
 from tests.test_preference_loss import _perturb_lora
 
@@ -54,7 +54,7 @@ def adapters(tiny_model_dir: Path, folder: Path) -> dict[str, Path]:
     """Random LoRA B matrices, no training: a DPO adapter (beta 0.2 on its card) and a reference of its
     structure; an SFT adapter of another structure."""
     lora = LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
-    dpo = PreferenceLoRAModule(model=str(tiny_model_dir), lora=lora, preference=PreferenceConfig(beta=BETA))
+    dpo = InstructLoRAModule(model=str(tiny_model_dir), lora=lora, preference=PreferenceConfig(beta=BETA))
     written = {}
     for seed, name in enumerate(("dpo", "ref")):
         _perturb_lora(dpo.model, seed=seed)
@@ -101,7 +101,9 @@ def test_pairs_metrics_equal_dpo_on_peft_log_probabilities_against_the_base_and_
     assert sft == PreferenceConfig() and origin.startswith("the defaults")
     assert data_kind(str(pairs_file)) == "pairs"
 
-    data = PreferenceDataModule(tokenizer=str(tiny_model_dir), val_files=[str(pairs_file)], eval_batch_size=8)
+    data = InstructDataModule(
+        batch_kind="pairs", tokenizer=str(tiny_model_dir), val_files=[str(pairs_file)], eval_batch_size=8
+    )
     data.setup("validate")
     (batch,) = list(data.val_dataloader())
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

@@ -92,7 +92,8 @@ def own_loss(module: InstructLoRAModule, batch: dict[str, torch.Tensor]) -> torc
 
 def our_loss(module: InstructLoRAModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The optimizer step's loss for one micro-batch: what ``training_step`` returns, / count."""
-    loss_sum, count, aux = module._losses(batch)
+    sums = module.objective.sums(module, batch)  # the aux loss added here, as training_step adds it
+    loss_sum, count, aux = sums.loss_sum, sums.count, sums.aux
     if aux is not None:
         loss_sum = loss_sum + module.router_aux_loss.coefficient * aux * count
     return loss_sum / count

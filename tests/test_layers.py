@@ -23,13 +23,15 @@ MAY_IMPORT = {
     "lit_instruct.loss": set(),
     "lit_instruct.data": set(),
     "lit_instruct.models": {"lit_instruct.loss"},
-    "lit_instruct.preflight": {"lit_instruct.loss", "lit_instruct.models"},
-    "lit_instruct.train": {"lit_instruct.loss", "lit_instruct.models"},
+    "lit_instruct.objectives": {"lit_instruct.loss"},
+    "lit_instruct.preflight": {"lit_instruct.loss", "lit_instruct.models", "lit_instruct.objectives"},
+    "lit_instruct.train": {"lit_instruct.loss", "lit_instruct.models", "lit_instruct.objectives"},
     "lit_instruct.export": {"lit_instruct.models"},
     "lit_instruct.infer": {
         "lit_instruct.loss",
         "lit_instruct.models",
         "lit_instruct.data",
+        "lit_instruct.objectives",
         "lit_instruct.train",
     },
 }

@@ -15,9 +15,11 @@ import pytest
 from lit_instruct.cli import main
 from lit_instruct.errors import ConfigError
 from lit_instruct.preflight import NOT_PROBED
-from lit_instruct.rules import CONFLICTS
+from lit_instruct.rules import BATCH_KIND, CONFLICTS
 
 ROOT = Path(__file__).resolve().parents[1]
+OBJECTIVE_OF_KIND = {"pairs": "dpo", "unpaired": "kto"}
+"""An objective of each batch kind other than conversations."""
 
 
 @pytest.fixture(scope="module")
@@ -211,10 +213,21 @@ def test_every_refused_pair_is_refused_at_config_time_naming_both(
     pair += [f"--{conflict.second}", cli_value(conflict.example[1])]
     if "model.low_memory_load" in (conflict.first, conflict.second) and conflict.second != "trainer.strategy":
         pair += ["--trainer.strategy", "fsdp_lora"]  # else that pair is refused first
+    second = f"{conflict.second}: "
+    if conflict.second == BATCH_KIND:  # the objective sets it: one of that batch kind
+        pair[-2:] = ["--model.objective", OBJECTIVE_OF_KIND[conflict.example[1]]]
+        second = f"model.objective (its batch kind: {conflict.example[1]}): "
+        if conflict.first != "data.packing":
+            pair += ["--data.packing", "false"]  # configs/lora.yaml packs: else that pair is refused first
     line = refused(fit_args(unreadable_model, chat_file, *pair), capsys)
     assert line.startswith(f"lit-instruct: config error: {conflict.first}: ")
-    assert f"cannot be combined with {conflict.second}: " in line
+    assert f"cannot be combined with {second}" in line
     assert conflict.reason in line
+
+
+def test_the_batch_kind_is_the_objectives_to_set(unreadable_model: Path, chat_file: Path, capsys) -> None:
+    line = refused(fit_args(unreadable_model, chat_file, "--data.batch_kind", "pairs"), capsys)
+    assert line.startswith("lit-instruct: config error: data.batch_kind: is set by model.objective")
 
 
 def test_the_module_refuses_a_pair_before_reading_weights(unreadable_model: Path) -> None:

@@ -14,7 +14,7 @@ from lit_instruct.data.collate import PadCollator
 from lit_instruct.data.render import Sample
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.train.preference_module import PreferenceLoRAModule
+from lit_instruct.train.module import InstructLoRAModule
 from tests.helpers import make
 
 ALPHA = 5.0
@@ -31,7 +31,7 @@ def batch() -> dict[str, torch.Tensor]:
 
 def step_loss(module, data: dict[str, torch.Tensor], seed: int) -> torch.Tensor:
     torch.manual_seed(seed)
-    loss_sum, count, _ = module._losses(data)
+    loss_sum, count = module.loss_sum_and_count(data)
     return loss_sum / count
 
 
@@ -71,4 +71,4 @@ def test_values_that_are_none_and_the_pair_losses_are_refused(tiny_model_dir: Pa
     with pytest.raises(ConfigError, match=r"^model.neftune_noise_alpha: must be a positive number"):
         make(tiny_model_dir, chat_file, neftune_noise_alpha=0.0)
     with pytest.raises(ConfigError, match=r"^model.neftune_noise_alpha: applies to SFT"):
-        PreferenceLoRAModule(model=str(tiny_model_dir), neftune_noise_alpha=ALPHA)
+        InstructLoRAModule(model=str(tiny_model_dir), neftune_noise_alpha=ALPHA, objective="dpo")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lit_instruct.models.lora import LoRAConfig
-from lit_instruct.train.preference_module import PreferenceLoRAModule
+from lit_instruct.train.module import InstructLoRAModule
 from tests.preference_ddp_fit import fit, results, start_two_processes
 from tests.test_preference_loss import _perturb_lora
 
@@ -118,7 +118,7 @@ def test_fsdp_from_an_sft_adapter_starts_at_ln2_and_resumes_against_it(args, tmp
     """Continuing from an SFT adapter under ``fsdp_lora`` (rank 1 built on the meta device): step 1's
     loss is ln 2 with zero rewards on both ranks, the training is one process's, and a run resumed
     from step 1's checkpoint takes the same step 2 (its reference still the SFT adapter)."""
-    sft = PreferenceLoRAModule(model=args["model"], lora=LoRAConfig(r=4, alpha=8))
+    sft = InstructLoRAModule(model=args["model"], lora=LoRAConfig(r=4, alpha=8))
     _perturb_lora(sft.model)  # away from the base: a reference that were the base would show
     args |= {"adapter": str(sft.write_adapter(tmp_path / "sft")), "max_steps": 2, "strategy": "fsdp_lora"}
     two = {**args, "out": str(tmp_path / "two"), "ckpt_every": 1, "resume_at": 1, "low_memory_load": True}

@@ -1,4 +1,4 @@
-"""Preference training (PreferenceLoRAModule, PreferenceDataModule, ``fit --config configs/dpo.yaml``):
+"""Preference training (InstructLoRAModule, InstructDataModule, ``fit --config configs/dpo.yaml``):
 step 0 is ln 2 with zero rewards from a fresh adapter and from an SFT adapter (the reference then being
 the SFT model, not the base); one training step's loss, metrics and LoRA gradients equal TRL's
 ``DPOTrainer`` on the same batch; accumulation gives the gradient of the mean over every pair."""
@@ -18,11 +18,12 @@ from transformers import AutoModelForCausalLM
 
 from lit_instruct.callbacks import SkipNonFiniteSteps
 from lit_instruct.cli import main
-from lit_instruct.data.preference_datamodule import PreferenceDataModule
+from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.models.lora import LoRAConfig
-from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
+from lit_instruct.train.module import InstructLoRAModule
 from tests import wandb_reader
 from tests.helpers import (
     FaultyModule,
@@ -30,6 +31,8 @@ from tests.helpers import (
     Recorder,
     StopAfter,
     assert_resumed_as_uninterrupted,
+    pair_logps,
+    pair_losses,
     recorded_fit,
     trainer,
     write_pairs,
@@ -56,22 +59,26 @@ def pairs_file(tmp_path: Path) -> Path:
     return write_pairs(tmp_path / "pairs.jsonl", ANSWERS)
 
 
-def _data(tiny_model_dir: Path, pairs_file: Path, batch_size: int) -> PreferenceDataModule:
-    data = PreferenceDataModule(
-        tokenizer=str(tiny_model_dir), train_files=[str(pairs_file)], val_fraction=0.0, batch_size=batch_size
+def _data(tiny_model_dir: Path, pairs_file: Path, batch_size: int) -> InstructDataModule:
+    data = InstructDataModule(
+        batch_kind="pairs",
+        tokenizer=str(tiny_model_dir),
+        train_files=[str(pairs_file)],
+        val_fraction=0.0,
+        batch_size=batch_size,
     )
     data.setup("fit")
     return data
 
 
-def _first_batch(data: PreferenceDataModule) -> dict:
+def _first_batch(data: InstructDataModule) -> dict:
     return next(iter(data.train_dataloader()))
 
 
-def _step_zero(module: PreferenceLoRAModule, batch: dict) -> tuple[float, dict[str, float]]:
+def _step_zero(module: InstructLoRAModule, batch: dict) -> tuple[float, dict[str, float]]:
     module.train()
-    loss_sum, sums, pairs, _ = module.pair_losses(batch)
-    metrics = dict(zip(module.pair_window.names, (sums / pairs).tolist(), strict=True))
+    loss_sum, sums, pairs, _ = pair_losses(module, batch)
+    metrics = dict(zip(module.objective.metric_names, (sums / pairs).tolist(), strict=True))
     return float(loss_sum.detach() / pairs), metrics
 
 
@@ -80,7 +87,9 @@ def test_step_zero_is_ln2_with_zero_rewards_fresh_and_from_an_sft_adapter(
 ):
     data = _data(tiny_model_dir, pairs_file, batch_size=5)
     batch = _first_batch(data)
-    fresh = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8))  # all-linear
+    fresh = InstructLoRAModule(
+        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), objective="dpo"
+    )  # all-linear
     assert fresh.fused_layers.mlps and fresh.fused_layers.attention_groups  # the fused LoRA layers run
     loss, metrics = _step_zero(fresh, batch)
     assert loss == pytest.approx(math.log(2), rel=1e-7)
@@ -89,7 +98,7 @@ def test_step_zero_is_ln2_with_zero_rewards_fresh_and_from_an_sft_adapter(
     # with the adapter off, the fused layers give the base's own log-probabilities (full logits)
     _perturb_lora(fresh.model)
     with torch.no_grad(), fresh.reference_model():
-        reference = fresh.pair_logps(batch)
+        reference = pair_logps(fresh, batch)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     with torch.no_grad():
         logits = base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -99,11 +108,13 @@ def test_step_zero_is_ln2_with_zero_rewards_fresh_and_from_an_sft_adapter(
     torch.testing.assert_close(
         torch.cat([reference.chosen, reference.rejected]).double(), expected, **TOLERANCE
     )
-    assert not torch.allclose(fresh.pair_logps(batch).chosen, reference.chosen)  # the adapter was on
+    assert not torch.allclose(pair_logps(fresh, batch).chosen, reference.chosen)  # the adapter was on
 
     # an "SFT" adapter (perturbed above) that moves the model away from its base
     sft = fresh.write_adapter(tmp_path / "sft")
-    continued = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LoRAConfig(), adapter=str(sft))
+    continued = InstructLoRAModule(
+        model=str(tiny_model_dir), lora=LoRAConfig(), adapter=str(sft), objective="dpo"
+    )
     before = {k: v.clone() for k, v in continued.trainable_state_dict().items()}
     loss, metrics = _step_zero(continued, batch)
     assert loss == pytest.approx(math.log(2), rel=1e-7)
@@ -112,9 +123,9 @@ def test_step_zero_is_ln2_with_zero_rewards_fresh_and_from_an_sft_adapter(
     assert all(torch.equal(before[k], after[k]) for k in before)  # the reference pass put them back
     # the reference is the SFT model, not the base: against the base, the rewards would not be 0
     with torch.no_grad(), continued.model.disable_adapter():
-        base = continued.pair_logps(batch)
+        base = pair_logps(continued, batch)
     with torch.no_grad():
-        policy = continued.pair_logps(batch)
+        policy = pair_logps(continued, batch)
     assert not torch.allclose(base.chosen, policy.chosen)
 
 
@@ -128,15 +139,15 @@ def test_one_training_step_equals_trl_dpo_trainer(tiny_model_dir, tokenizer, pai
     trl_metrics = {name: values[-1] for name, values in theirs._metrics["train"].items()}
     trl_grads = _lora_grads(theirs.model)
 
-    ours = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LORA, preference={"kind": "dpo", "beta": 0.1})
+    ours = InstructLoRAModule(model=str(tiny_model_dir), lora=LORA, preference={"kind": "dpo", "beta": 0.1})
     lora_weights = {k: v for k, v in theirs.model.state_dict().items() if "lora_" in k}
     missing = ours.model.load_state_dict(lora_weights, strict=False)
     assert not missing.unexpected_keys and lora_weights
     ours.train()
     batch = {k: layout[k] for k in ("input_ids", "attention_mask", "labels")}
-    loss_sum, sums, pairs, _ = ours.pair_losses(batch)
+    loss_sum, sums, pairs, _ = pair_losses(ours, batch)
     (loss_sum / pairs).backward()  # what on_before_optimizer_step's factor makes of the summed loss
-    metrics = dict(zip(ours.pair_window.names, (sums / pairs).tolist(), strict=True))
+    metrics = dict(zip(ours.objective.metric_names, (sums / pairs).tolist(), strict=True))
     grads = _lora_grads(ours.model)
 
     torch.testing.assert_close(loss_sum / pairs, trl_loss.detach(), **TOLERANCE)
@@ -148,7 +159,7 @@ def test_one_training_step_equals_trl_dpo_trainer(tiny_model_dir, tokenizer, pai
         torch.testing.assert_close(grads[name], grad, **TOLERANCE)
 
 
-class PreferenceGradCapture(GradCapture, PreferenceLoRAModule):
+class PreferenceGradCapture(GradCapture, InstructLoRAModule):
     """The gradients the optimizer is given, after the window's normalization."""
 
 
@@ -158,7 +169,7 @@ def test_accumulation_gives_the_gradient_of_the_mean_over_all_pairs(tiny_model_d
     runs = {}
     for batch_size, accumulate in [(5, 1), (3, 2)]:
         torch.manual_seed(0)
-        module = PreferenceGradCapture(model=str(tiny_model_dir), lora=LORA, warmup_steps=0)
+        module = PreferenceGradCapture(model=str(tiny_model_dir), lora=LORA, warmup_steps=0, objective="dpo")
         data = _data(tiny_model_dir, pairs_file, batch_size)
         recorder = Recorder()
         run = trainer(tmp_path, max_steps=1, accumulate_grad_batches=accumulate, limit_val_batches=0)
@@ -173,7 +184,7 @@ def test_accumulation_gives_the_gradient_of_the_mean_over_all_pairs(tiny_model_d
     assert accumulated_loss == pytest.approx(loss, rel=1e-6) and loss == pytest.approx(math.log(2), rel=1e-6)
 
 
-class PreferenceFaulty(FaultyModule, PreferenceLoRAModule):
+class PreferenceFaulty(FaultyModule, InstructLoRAModule):
     """A NaN loss at chosen batches."""
 
 
@@ -182,14 +193,14 @@ def test_a_nan_step_is_skipped_and_a_resume_from_an_sft_adapter_is_exact(
 ):
     """From an SFT adapter (the reference is rebuilt from it on resume), batch 1's NaN loss skipped:
     the weights stay, and a run stopped at step 2 resumes onto the uninterrupted run's steps."""
-    sft = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LORA)
+    sft = InstructLoRAModule(model=str(tiny_model_dir), lora=LORA)
     _perturb_lora(sft.model)
     adapter = str(sft.write_adapter(tmp_path / "sft"))
 
     def run(root: Path, *callbacks, ckpt_path=None) -> Recorder:
         torch.manual_seed(0)
         module = PreferenceFaulty(
-            model=str(tiny_model_dir), adapter=adapter, warmup_steps=0, nan_loss_at=(1,)
+            model=str(tiny_model_dir), adapter=adapter, warmup_steps=0, nan_loss_at=(1,), objective="dpo"
         )
         data = _data(tiny_model_dir, pairs_file, batch_size=1)
         return recorded_fit(module, data, root, 4, SkipNonFiniteSteps(), *callbacks, ckpt_path=ckpt_path)
@@ -208,37 +219,41 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir, pairs_file):
     with pytest.raises(
         ConfigError, match=r"model\.preference\.label_smoothing: applies to dpo and simpo, not kind: ipo"
     ):
-        PreferenceLoRAModule(
-            model=str(tiny_model_dir), preference=PreferenceConfig("ipo", label_smoothing=0.1)
-        )
+        InstructLoRAModule(model=str(tiny_model_dir), preference=PreferenceConfig("ipo", label_smoothing=0.1))
 
 
 @pytest.mark.parametrize(
-    ("setting", "value", "message"),
+    ("setting", "value", "why"),
     [
-        (
-            "packing",
-            True,
-            "data.packing: must be false for preference data (pairs are padded rows), got true",
-        ),
-        ("streaming", True, "data.streaming: must be false for preference data (pairs are prepared before "),
-        (
-            "chatterbot_categories",
-            ["ai"],
-            "data.chatterbot_categories: must be null for preference data (the ",
-        ),
-        ("train_on", "all", "data.train_on: must be answers for preference data (a pair trains its two answ"),
-        ("multi_turn", "all", "data.multi_turn: must be auto or last for preference data (only each pair's "),
-        ("format", "chat", "data.format: "),
+        ("packing", True, "pairs and labelled answers are padded rows"),
+        ("streaming", True, "pairs and labelled answers are read and split by prompt"),
+        ("chatterbot_categories", ["ai"], "the chatterbot corpus holds conversations"),
+        ("train_on", "all", "pairs and labelled answers train their answers only"),
+        ("multi_turn", "per_turn", "only each record's last answer is trained"),
+        ("format", "chat", "the layouts of pairs and labelled answers are told apart per record"),
     ],
 )
-def test_sft_only_data_settings_are_refused_naming_them(tiny_model_dir, pairs_file, setting, value, message):
-    data = PreferenceDataModule(
-        tokenizer=str(tiny_model_dir), train_files=[str(pairs_file)], **{setting: value}
-    )
+def test_settings_pairs_cannot_take_are_refused_naming_both(tiny_model_dir, pairs_file, setting, value, why):
+    """By the rules table, when the data module is made (the CLI: when the config is read)."""
     with pytest.raises(ConfigError) as refused:
+        InstructDataModule(
+            batch_kind="pairs",
+            tokenizer=str(tiny_model_dir),
+            train_files=[str(pairs_file)],
+            **{setting: value},
+        )
+    line = str(refused.value)
+    assert line.startswith(f"data.{setting}: ") and "cannot be combined with model.objective" in line
+    assert why in line
+
+
+def test_a_source_of_another_format_is_refused_naming_it(tiny_model_dir, pairs_file):
+    source = {"path": str(pairs_file), "format": "chat"}
+    data = InstructDataModule(batch_kind="pairs", tokenizer=str(tiny_model_dir), sources=[source])
+    with pytest.raises(
+        ConfigError, match=r"data\.sources: .*pairs\.jsonl: format must be auto for preference"
+    ):
         data.setup("fit")
-    assert str(refused.value).startswith(message)
 
 
 def test_fit_with_the_dpo_config_writes_reward_metrics_and_an_adapter(

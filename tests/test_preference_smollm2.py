@@ -1,9 +1,9 @@
 """Preference training on the real SmolLM2-135M-Instruct against TRL's own trainers, one step.
 
 Pairs of ``examples/data/preference_sample.jsonl`` rendered and batched by our
-:class:`PreferenceDataModule`; TRL's ``DPOTrainer`` (sigmoid) and ``CPOTrainer`` (SimPO) get the same
+:class:`InstructDataModule`; TRL's ``DPOTrainer`` (sigmoid) and ``CPOTrainer`` (SimPO) get the same
 token ids in their layouts, with the same LoRA weights. The loss, TRL's reward metrics and the LoRA
-gradients after one backward of :class:`PreferenceLoRAModule`'s step must equal theirs (fp32, the
+gradients after one backward of :class:`InstructLoRAModule`'s step must equal theirs (fp32, the
 tolerance of the tiny-model tests in ``tests/test_preference_loss.py``, where every other DPO loss
 type is compared). Also through the module: MPO's weighted loss types (the sft term) and LD-DPO's
 ``ld_alpha`` with ``reference_free`` (the weighted sums taken in the module, no reference pass; TRL:
@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_instruct.data.preference_datamodule import PreferenceDataModule
+from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.models.lora import LoRAConfig
-from lit_instruct.train.preference_module import PreferenceLoRAModule
+from lit_instruct.train.module import InstructLoRAModule
+from tests.helpers import pair_losses
 from tests.test_preference_loss import (
     LOGPS_METRICS,
     REWARD_METRICS,
@@ -41,8 +42,9 @@ SCALE = 0.02  # LoRA B's spread: the policy moves off its reference, no loss sat
 
 
 @pytest.fixture(scope="module")
-def smollm2_data(smollm2_path: Path) -> PreferenceDataModule:
-    data = PreferenceDataModule(
+def smollm2_data(smollm2_path: Path) -> InstructDataModule:
+    data = InstructDataModule(
+        batch_kind="pairs",
         tokenizer=str(smollm2_path),
         train_files=[str(SAMPLE)],
         val_fraction=0.0,
@@ -54,7 +56,7 @@ def smollm2_data(smollm2_path: Path) -> PreferenceDataModule:
 
 
 @pytest.fixture(scope="module")
-def batch(smollm2_data: PreferenceDataModule) -> dict:
+def batch(smollm2_data: InstructDataModule) -> dict:
     """The sample's ``PAIRS`` as our module trains on them: ``[chosen rows; rejected rows]``."""
     pairs = smollm2_data.pairs("train")
     assert len(pairs) == len(SAMPLE.read_text().splitlines())  # none dropped: pair i is line i
@@ -107,14 +109,14 @@ def _trl_step(
     return loss.detach(), metrics, _lora_grads(trainer.model), lora_weights
 
 
-def _our_step(module: PreferenceLoRAModule, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+def _our_step(module: InstructLoRAModule, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
     """One training step's loss as the optimizer sees it (the pairs' sum over their count), its
     backward, and the per-pair metrics' means."""
     module.train()
-    loss_sum, sums, pairs, _ = module.pair_losses(batch)
+    loss_sum, sums, pairs, _ = pair_losses(module, batch)
     loss = loss_sum / pairs
     loss.backward()
-    return loss.detach(), dict(zip(module.pair_window.names, (sums / pairs).tolist(), strict=True))
+    return loss.detach(), dict(zip(module.objective.metric_names, (sums / pairs).tolist(), strict=True))
 
 
 CASES = {  # TRL's trainer, LoRA targets, its config, ours
@@ -154,7 +156,7 @@ def test_one_step_on_smollm2_equals_trl(case, smollm2_path, tokenizer, batch, tm
     )
 
     lora = LoRAConfig(r=8, alpha=16, target_modules=targets)
-    ours = PreferenceLoRAModule(model=str(smollm2_path), lora=lora, preference=preference)
+    ours = InstructLoRAModule(model=str(smollm2_path), lora=lora, preference=preference)
     if targets == ["all-linear"]:  # the fused LoRA layers, against TRL's peft forward
         fused = ours.fused_layers
         assert fused is not None and fused.mlps and fused.attention_groups and not fused.left_unfused
@@ -162,20 +164,20 @@ def test_one_step_on_smollm2_equals_trl(case, smollm2_path, tokenizer, batch, tm
     assert not loaded.unexpected_keys and lora_weights
     loss, metrics = _our_step(ours, batch)
 
-    if not ours.preference_loss.reference_free:  # zero reference: the policy's log-probs, all < 0
+    if not ours.objective.preference_loss.reference_free:  # zero reference: the policy's log-probs, all < 0
         assert 0 < metrics["rewards/accuracies"] < 1  # pairs the policy tells apart differently
     assert 0.05 < loss.item() < 5  # not saturated: the gradients are not vanishingly small
     names = REWARD_METRICS + LOGPS_METRICS
     _compare(trl_loss, trl_metrics, trl_grads, loss, metrics, _lora_grads(ours.model), names)
 
 
-def _step_zero(module: PreferenceLoRAModule, batch: dict) -> tuple[float, dict[str, float]]:
+def _step_zero(module: InstructLoRAModule, batch: dict) -> tuple[float, dict[str, float]]:
     """The first step's loss and per-pair metrics' means (no backward)."""
     module.train()
     with torch.no_grad():
-        loss_sum, sums, pairs, _ = module.pair_losses(batch)
+        loss_sum, sums, pairs, _ = pair_losses(module, batch)
     return (loss_sum / pairs).item(), dict(
-        zip(module.pair_window.names, (sums / pairs).tolist(), strict=True)
+        zip(module.objective.metric_names, (sums / pairs).tolist(), strict=True)
     )
 
 
@@ -184,14 +186,18 @@ def test_step_zero_on_smollm2_is_ln2_with_zero_rewards_fresh_and_from_an_sft_ada
 ):
     """The reference being the base (fresh) or the SFT model (the SFT adapter's weights); that it is
     not the base then is checked on the tiny model (tests/test_preference_module.py)."""
-    fresh = PreferenceLoRAModule(model=str(smollm2_path), lora=LoRAConfig(r=8, alpha=16))  # all-linear
+    fresh = InstructLoRAModule(
+        model=str(smollm2_path), lora=LoRAConfig(r=8, alpha=16), objective="dpo"
+    )  # all-linear
     _perturb_lora(fresh.model, scale=SCALE)  # an "SFT" adapter, away from the base
     sft = fresh.write_adapter(tmp_path / "sft")
     with torch.no_grad():
         for name, parameter in fresh.model.named_parameters():
             if "lora_B" in name:
                 parameter.zero_()  # fresh again: B = 0
-    continued = PreferenceLoRAModule(model=str(smollm2_path), lora=LoRAConfig(), adapter=str(sft))
+    continued = InstructLoRAModule(
+        model=str(smollm2_path), lora=LoRAConfig(), adapter=str(sft), objective="dpo"
+    )
     for module in (fresh, continued):
         loss, metrics = _step_zero(module, batch)
         assert loss == pytest.approx(math.log(2), rel=1e-7)

@@ -1,5 +1,5 @@
 """Preference pairs from ``datasets`` sources (a parquet file, a ``save_to_disk`` folder, JSON Lines)
-through :class:`PreferenceDataModule`, against an independent rendering; errors at ``<path>:row N``;
+through :class:`InstructDataModule`, against an independent rendering; errors at ``<path>:row N``;
 held-out prompts; and ``lit-instruct inspect`` / ``check`` on ``configs/dpo.yaml``."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from lit_instruct.cli import main
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.pair_batches import hold_out_prompts
 from lit_instruct.data.preference import to_preference_record
-from lit_instruct.data.preference_datamodule import PreferenceDataModule, hold_out_prompts
 from lit_instruct.data.prepare import hold_out
 from lit_instruct.data.records import DataError
 from lit_instruct.errors import ConfigError
@@ -66,9 +67,14 @@ def write(kind: str, rows: list[dict], folder: Path) -> tuple[str, str]:
     return str(path), f"{path}:row {{row}}"
 
 
-def module(tiny_model_dir: Path, path: str, **settings) -> PreferenceDataModule:
-    data = PreferenceDataModule(
-        tokenizer=str(tiny_model_dir), train_files=[path], val_fraction=0.0, cache=False, **settings
+def module(tiny_model_dir: Path, path: str, **settings) -> InstructDataModule:
+    data = InstructDataModule(
+        batch_kind="pairs",
+        tokenizer=str(tiny_model_dir),
+        train_files=[path],
+        val_fraction=0.0,
+        cache=False,
+        **settings,
     )
     data.setup("fit")
     return data
@@ -114,7 +120,9 @@ def test_held_out_pairs_are_whole_prompts():
 
 
 def test_a_format_other_than_auto_is_refused(tmp_path):
-    data = PreferenceDataModule(train_files=[str(tmp_path / "p.jsonl")], format="chat", cache=False)
+    data = InstructDataModule(
+        batch_kind="pairs", train_files=[str(tmp_path / "p.jsonl")], format="chat", cache=False
+    )
     with pytest.raises(
         ConfigError, match=r"data\.format: .*p\.jsonl: format must be auto for preference data"
     ):

@@ -11,8 +11,9 @@ import torch
 
 from lit_instruct.data.reference_cache import compute_reference, rank_indices
 from lit_instruct.errors import ConfigError
-from lit_instruct.train.preference_module import PreferenceConfig, PreferenceLoRAModule
-from tests.helpers import recorded_fit
+from lit_instruct.loss.preference import PreferenceConfig
+from lit_instruct.train.module import InstructLoRAModule
+from tests.helpers import pair_logps, pair_losses, recorded_fit
 from tests.test_preference_loss import _perturb_lora
 from tests.test_preference_module import LORA, _data, pairs_file  # noqa: F401  (pairs_file: a fixture)
 
@@ -26,7 +27,7 @@ def test_rank_indices_cover_every_pair_once_in_equal_shares(count, world):
     assert all(-1 - i < count for share in shares for i in share if i < 0)
 
 
-class CountingReference(PreferenceLoRAModule):
+class CountingReference(InstructLoRAModule):
     """Counts the reference passes (the model switched to the reference)."""
 
     def reference_model(self):
@@ -34,13 +35,13 @@ class CountingReference(PreferenceLoRAModule):
         return super().reference_model()
 
 
-def _reference_of_every_pair(module: PreferenceLoRAModule, data) -> list[tuple[float, float]]:
+def _reference_of_every_pair(module: InstructLoRAModule, data) -> list[tuple[float, float]]:
     """Each training pair's reference sums from its own one-pair batch (an independent path)."""
     collate = data._collator()
     values = []
     for pair in data.pairs("train").pairs:
         with torch.no_grad(), module.reference_model():
-            logps = module.pair_logps(collate([pair]))
+            logps = pair_logps(module, collate([pair]))
         values.append((float(logps.chosen), float(logps.rejected)))
     return values
 
@@ -49,7 +50,7 @@ def test_cached_values_match_each_pairs_own_reference_and_ranks_share_the_work(
     tiny_model_dir,
     pairs_file,  # noqa: F811
 ):
-    module = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LORA)
+    module = InstructLoRAModule(model=str(tiny_model_dir), lora=LORA, objective="dpo")
     _perturb_lora(module.model)  # the reference (adapter off) differs from the policy
     data = _data(tiny_model_dir, pairs_file, batch_size=2)
     expected = torch.tensor(_reference_of_every_pair(module, data), dtype=torch.float64)
@@ -57,7 +58,7 @@ def test_cached_values_match_each_pairs_own_reference_and_ranks_share_the_work(
 
     def reference(batch):
         with torch.no_grad(), module.reference_model():
-            logps = module.pair_logps(batch)
+            logps = pair_logps(module, batch)
         return torch.cat([logps.chosen, logps.rejected])
 
     one = compute_reference(pairs, collate, reference, batch_size=3)
@@ -80,7 +81,7 @@ def test_training_on_cached_reference_equals_the_reference_in_every_step(
 ):
     adapter = None
     if from_sft:
-        sft = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LORA)
+        sft = InstructLoRAModule(model=str(tiny_model_dir), lora=LORA)
         _perturb_lora(sft.model)
         adapter = str(sft.write_adapter(tmp_path / "sft"))
     runs = {}
@@ -110,15 +111,15 @@ def test_training_on_cached_reference_equals_the_reference_in_every_step(
 
 def test_precompute_reference_is_refused_where_there_is_no_reference(tiny_model_dir):
     with pytest.raises(ConfigError, match=r"model\.preference\.precompute_reference: applies to dpo and ipo"):
-        PreferenceLoRAModule(
+        InstructLoRAModule(
             model=str(tiny_model_dir), preference=PreferenceConfig("simpo", precompute_reference=True)
         )
 
 
-def _reference_fn(module: PreferenceLoRAModule):
+def _reference_fn(module: InstructLoRAModule):
     def reference(batch):
         with torch.no_grad(), module.reference_model():
-            logps = module.pair_logps(batch)
+            logps = pair_logps(module, batch)
         return torch.cat([logps.chosen, logps.rejected])
 
     return reference
@@ -132,28 +133,32 @@ def test_a_second_module_on_the_same_data_is_never_scored_against_the_first_ones
     """Module A continues an SFT adapter (its reference: the SFT model) and caches its values on the
     data module; a fresh module B (its reference: the base) on the same data module must start at
     ln 2, with the cache off (ignoring the batches' values) and on (computing its own)."""
-    sft = PreferenceLoRAModule(model=str(tiny_model_dir), lora=LORA)
+    sft = InstructLoRAModule(model=str(tiny_model_dir), lora=LORA)
     _perturb_lora(sft.model)
-    first = PreferenceLoRAModule(
+    first = InstructLoRAModule(
         model=str(tiny_model_dir),
         adapter=str(sft.write_adapter(tmp_path / "sft")),
         preference=PreferenceConfig(precompute_reference=True),
     )
     data = _data(tiny_model_dir, pairs_file, batch_size=5)
-    assert data.cache_reference(_reference_fn(first), first.reference_key) == 5
-    assert data.cache_reference(_reference_fn(first), first.reference_key) == 0  # kept: computed once
+    assert data.cache_reference(_reference_fn(first), first.objective.reference_key) == 5
+    assert (
+        data.cache_reference(_reference_fn(first), first.objective.reference_key) == 0
+    )  # kept: computed once
     firsts = torch.tensor([p.reference for p in data.pairs("train").pairs], dtype=torch.float64)
 
     for precompute in (False, True):
-        second = PreferenceLoRAModule(
+        second = InstructLoRAModule(
             model=str(tiny_model_dir), lora=LORA, preference=PreferenceConfig(precompute_reference=precompute)
         )
         own = _reference_fn(second)(data._collator()(data.pairs("train").pairs)).double()
         assert not torch.allclose(own, torch.cat([firsts[:, 0], firsts[:, 1]]))  # reading A's would show
         if precompute:
-            assert data.cache_reference(_reference_fn(second), second.reference_key, ("train",)) == 5
+            assert (
+                data.cache_reference(_reference_fn(second), second.objective.reference_key, ("train",)) == 5
+            )
         batch = next(iter(data.train_dataloader()))
         assert "reference_logps" in batch
         second.train()
-        loss_sum, _, pairs, _ = second.pair_losses(batch)
+        loss_sum, _, pairs, _ = pair_losses(second, batch)
         assert float(loss_sum) / pairs == pytest.approx(math.log(2), rel=1e-6), precompute

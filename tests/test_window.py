@@ -9,34 +9,45 @@ from lit_instruct.batch import num_response_tokens, num_tokens
 from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.render import Sample
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.train.window import TokenWindow, WindowTotals, gradient_factor, scale_gradients
+from lit_instruct.train.window import StepWindow, WindowTotals, gradient_factor, scale_gradients
 
 
 def test_window_totals_micro_batches_and_starts_empty_again() -> None:
-    window = TokenWindow()
-    window.add(torch.tensor(6.0, requires_grad=True), response_tokens=3, tokens=10)
-    window.add(torch.tensor(2.5), response_tokens=2, tokens=7)
+    window = StepWindow()
+    window.add(torch.tensor(6.0, requires_grad=True), count=3, tokens=10, answer_tokens=3)
+    window.add(torch.tensor(2.5), count=2, tokens=7, answer_tokens=2)
     totals = window.close(lambda t: t, torch.device("cpu"))
-    assert totals == WindowTotals(loss_sum=8.5, response_tokens=5, tokens=17)
+    assert totals == WindowTotals(loss_sum=8.5, count=5, tokens=17, answer_tokens=5)
     assert totals.loss == pytest.approx(8.5 / 5)
-    assert window.close(lambda t: t, torch.device("cpu")) == WindowTotals(0.0, 0, 0)
+    assert window.close(lambda t: t, torch.device("cpu")) == WindowTotals(0.0, 0, 0, 0)
     assert WindowTotals(0.0, 0, 0).loss == 0.0
 
 
 def test_window_sums_over_ranks_with_the_reduction_it_is_given() -> None:
     """Two ranks: this one saw (4.0, 2, 5), the other (9.0, 3, 8); the all-reduce adds them."""
-    other = torch.tensor([9.0, 3, 8], dtype=torch.float64)
-    window = TokenWindow()
-    window.add(torch.tensor(4.0), response_tokens=2, tokens=5)
-    assert window.close(lambda t: t + other, torch.device("cpu")) == WindowTotals(13.0, 5, 13)
-    empty = TokenWindow()  # a rank without micro-batches still takes part in the collective
-    assert empty.close(lambda t: t + other, torch.device("cpu")) == WindowTotals(9.0, 3, 8)
+    other = torch.tensor([3, 8, 3, 9.0], dtype=torch.float64)  # count, tokens, answer tokens, loss
+    window = StepWindow()
+    window.add(torch.tensor(4.0), count=2, tokens=5, answer_tokens=2)
+    assert window.close(lambda t: t + other, torch.device("cpu")) == WindowTotals(13.0, 5, 13, 5)
+    empty = StepWindow()  # a rank without micro-batches still takes part in the collective
+    assert empty.close(lambda t: t + other, torch.device("cpu")) == WindowTotals(9.0, 3, 8, 3)
+
+
+def test_window_metrics_are_means_over_every_counted_unit() -> None:
+    """Pairs: the metric sums of two micro-batches over ranks, divided by all their pairs."""
+    window = StepWindow(["rewards/margins", "rewards/accuracies"])
+    window.add(torch.tensor(1.5), count=2, metric_sums=torch.tensor([0.4, 1.0]))
+    window.add(torch.tensor(0.5), count=1, metric_sums=torch.tensor([-0.1, 0.0]))
+    other = torch.tensor([1, 0, 0, 0.7, 0.2, 1.0], dtype=torch.float64)  # a rank with one pair
+    totals = window.close(lambda t: t + other, torch.device("cpu"))
+    assert totals.count == 4 and totals.loss == pytest.approx(2.7 / 4)
+    assert totals.metrics() == pytest.approx({"rewards/margins": 0.5 / 4, "rewards/accuracies": 2.0 / 4})
 
 
 def test_counts_stay_exact_beyond_float32_integers() -> None:
-    window = TokenWindow()
-    window.add(torch.tensor(1.0), response_tokens=2**24 + 1, tokens=2**25 + 1)
-    assert window.close(lambda t: t, torch.device("cpu")).response_tokens == 2**24 + 1
+    window = StepWindow()
+    window.add(torch.tensor(1.0), count=2**24 + 1, tokens=2**25 + 1)
+    assert window.close(lambda t: t, torch.device("cpu")).count == 2**24 + 1
 
 
 @pytest.mark.parametrize(("accumulate", "world_size"), [(1, 1), (3, 1), (2, 4)])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Subset
 
+from lit_instruct.batch import BatchKind
 from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.even_shards import EvenShards, UncountedPadding
+from lit_instruct.data.loader_workers import ignore_stop_signals
 from lit_instruct.data.nothing_to_train import no_training_sample
+from lit_instruct.data.pair_batches import PairBatches
 from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
 from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
@@ -25,6 +27,7 @@ from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingF
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir
+from lit_instruct.rules import flatten, refuse_conflicts
 from lit_instruct.templates import resolve_chat_template, template_text
 from lit_instruct.vocabulary import NewTokens, add_tokens, base_tokenizer, resolve_new_tokens
 
@@ -51,17 +54,17 @@ def validation_split(path: str) -> str:
     return "train"
 
 
-def ignore_stop_signals(worker_id: int) -> None:
-    """In a data-loading worker: Ctrl-C, SIGTERM and SIGUSR1, which ``timeout`` and SLURM send to the
-    whole process group, are the main process's to handle (it stops after the step and saves)."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
-
-
 class InstructDataModule(L.LightningDataModule):
     """Instruction data for causal-LM fine-tuning: files, folders, hub datasets, mixtures of them.
 
+    What a batch holds is ``batch_kind``: rendered ``conversations`` (SFT), preference ``pairs``
+    (:class:`~lit_instruct.data.pair_batches.PairBatches`) or ``unpaired`` answers labelled desirable
+    or not (KTO: :class:`~lit_instruct.data.unpaired_batches.UnpairedBatches`); every kind reads the
+    same sources with the same split, dedupe, tokenizer, sampler and resume. The settings that do not
+    apply to a kind are refused with it (:data:`lit_instruct.rules.CONFLICTS`).
+
     Args:
+        batch_kind: what the objective takes (the CLI links it to ``model.objective``).
         tokenizer: model name or folder whose tokenizer and chat template render the data (the CLI
             links it to ``model.model``).
         sources: the datasets to train on (:class:`~lit_instruct.data.sources.DataSource`: path,
@@ -156,8 +159,11 @@ class InstructDataModule(L.LightningDataModule):
         streaming: bool = False,
         shuffle_buffer: int = 10_000,
         new_tokens: NewTokens = "auto",
+        batch_kind: BatchKind = "conversations",
     ) -> None:
         super().__init__()
+        given = {key: value for key, value in locals().items() if key not in ("self", "__class__")}
+        refuse_conflicts(flatten({"data": given}))  # the settings this batch kind cannot take
         train_files = [train_files] if isinstance(train_files, str) else train_files  # one path: [path]
         val_files = [val_files] if isinstance(val_files, str) else val_files
         self.sources = [s if isinstance(s, DataSource) else DataSource(**s) for s in sources or []]
@@ -212,6 +218,9 @@ class InstructDataModule(L.LightningDataModule):
         self.tokenizer: Any = None
         self.prepared: PreparedData | None = None
         self._set_up = False
+        self.batch_kind = batch_kind
+        self.part: Any = {"pairs": PairBatches}.get(batch_kind, lambda data: None)(self)
+        """What reads, renders and batches a kind other than conversations (``None`` for those)."""
 
     def prepare_data(self) -> None:
         """Prepare a bundled model's tokenizer, and the tokenized data into the cache (rank 0 only:
@@ -259,6 +268,8 @@ class InstructDataModule(L.LightningDataModule):
     def prepare_samples(self) -> PreparedData:
         """Read, split and tokenize the sources (or memory-map them from the cache); when streaming,
         only the validation sources."""
+        if self.part is not None:
+            return self.part.prepare()
         return prepare(
             [] if self.streaming else self.sources,
             self.val_sources,
@@ -316,10 +327,27 @@ class InstructDataModule(L.LightningDataModule):
         """Why the prepared training data holds no sample, as the error to raise (``None``: it holds
         some, or it is streamed): a fit that would train nothing is refused, never a success."""
         prepared = self._prepared()
-        if self.streaming or len(prepared.train):
+        if self.streaming:
             return None
+        if len(prepared.train):
+            return self.part.nothing_to_train() if self.part is not None else None
         sources = [source.path for source in self.sources]
         return no_training_sample(prepared.totals("train"), sources, self.settings.max_seq_len)
+
+    def cache_reference(self, *args: Any, **kwargs: Any) -> int:
+        """Pairs: their reference log-probabilities computed once
+        (:meth:`~lit_instruct.data.pair_batches.PairBatches.cache_reference`)."""
+        if not hasattr(self.part, "cache_reference"):
+            raise ValueError(
+                f"reference values are precomputed for pairs, not batch_kind={self.batch_kind!r}"
+            )
+        return self.part.cache_reference(*args, **kwargs)
+
+    def pairs(self, split: str) -> Any:
+        """The ``train`` or ``val`` pairs (``batch_kind: pairs``, after :meth:`setup`)."""
+        if not hasattr(self.part, "pairs"):
+            raise ValueError(f"the data holds {self.batch_kind}, not pairs")
+        return self.part.pairs(split)
 
     def training_chat_template(self) -> str | None:
         """The chat template the training sources are rendered with, when they share one (``None``
@@ -355,7 +383,9 @@ class InstructDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (log_dir(trainer) if trainer else Path(".")) / "rejects.jsonl"
 
-    def _collator(self, source: str | None = None) -> PadCollator | PackCollator:
+    def _collator(self, source: str | None = None) -> Any:
+        if self.part is not None:
+            return self.part.collator()
         if self.packing:
             return PackCollator(source)
         tokenizer = self.load_tokenizer()
@@ -368,7 +398,10 @@ class InstructDataModule(L.LightningDataModule):
             renderers = TemplateRenderers(self.load_tokenizer(), self.settings)
             settings = renderers.settings(self.sources, self.model_vocab_size())
             return feed.loader(settings, size, collate, self.trainer)
-        return feed.loader(self.train_samples, [s.weight for s in self.sources], size, collate, self.trainer)
+        loader = feed.loader(
+            self.train_samples, [s.weight for s in self.sources], size, collate, self.trainer
+        )
+        return loader if self.part is None else self.part.train_dataloader(loader.sampler)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         return self.feed.on_batch(batch)
@@ -402,6 +435,8 @@ class InstructDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         """The validation samples; with several sources, one loader per source whose batches carry
         the source's ``name`` (the module logs ``val/loss/<name>``)."""
+        if self.part is not None:
+            return self.part.val_dataloader()
         store = self.val_samples
         names = [n for n, count in store.counts_by_source().items() if count]
         if len(names) <= 1:

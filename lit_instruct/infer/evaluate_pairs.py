@@ -1,8 +1,8 @@
 """``lit-instruct eval`` on preference pairs: an adapter's preference metrics against a reference.
 
-The numbers are :class:`~lit_instruct.train.preference_module.PreferenceLoRAModule`'s validation on
+The numbers are :class:`~lit_instruct.train.module.InstructLoRAModule`'s validation with a pair objective on
 the files (read, rendered and batched by
-:class:`~lit_instruct.data.preference_datamodule.PreferenceDataModule`): ``val/loss`` of the pair
+:class:`~lit_instruct.data.datamodule.InstructDataModule` of ``batch_kind: pairs``): ``val/loss`` of the pair
 loss, ``val/rewards/*``, ``val/logps/*`` and ``val/pairs``. The reference is the adapter's base with
 the adapter switched off, or another adapter of the same base and LoRA structure, whose weights are
 put in place of the adapter's for the reference pass (as training from an SFT adapter does). The
@@ -121,13 +121,16 @@ def load_pair_module(
     base: str | None = None,
     reference: str | Path | None = None,
 ) -> Any:
-    """A :class:`PreferenceLoRAModule` with the adapter as policy, in eval mode; its reference is
-    ``reference``'s weights (checked with :func:`check_reference` first), else the base."""
-    from lit_instruct.train.preference_module import PreferenceLoRAModule
+    """An :class:`InstructLoRAModule` with the pair objective of ``config`` and the adapter as policy,
+    in eval mode; its reference is ``reference``'s weights (checked with :func:`check_reference`
+    first), else the base."""
+    from lit_instruct.objectives.pairs import PairObjective
+    from lit_instruct.train.module import InstructLoRAModule
 
     model = adapter_base(adapter, base)
     tokens = adapter_new_tokens(adapter, model)
-    module = PreferenceLoRAModule(model=model, adapter=str(adapter), added_tokens=tokens, preference=config)
+    objective = PairObjective.from_preference(config)
+    module = InstructLoRAModule(model=model, adapter=str(adapter), added_tokens=tokens, objective=objective)
     module.reference_adapter = None if reference is None else _adapter_weights(module.model, reference)
     return module.eval()
 
@@ -161,9 +164,10 @@ def evaluate_pairs(
 ) -> dict[str, dict[str, float]]:
     """Validation metrics of ``module`` (:func:`load_pair_module`) on the pairs of ``data`` as
     ``"adapter"``: ``val/loss``, ``val/rewards/*``, ``val/logps/*`` (and ORPO's), ``val/pairs``."""
-    from lit_instruct.data.preference_datamodule import PreferenceDataModule
+    from lit_instruct.data.datamodule import InstructDataModule
 
-    datamodule = PreferenceDataModule(
+    datamodule = InstructDataModule(
+        batch_kind="pairs",
         tokenizer=module.hparams["model"],
         val_files=list(data),
         max_seq_len=max_seq_len,

@@ -333,25 +333,25 @@ class PreferenceConfig:
     fp32 they equal the reference pass of every step; in bf16 they carry bf16's rounding of other
     batch shapes (the first step's loss is then ln 2 within ~0.03, not to the last digit)."""
 
-    def loss(self) -> PreferenceLoss:
-        """The loss these settings describe.
+    def loss(self, group: str = "model.preference") -> PreferenceLoss:
+        """The loss these settings describe (``group``: where a refusal says the settings are).
 
         Raises:
             ConfigError: naming the setting that cannot work (a kind, beta or smoothing out of range).
         """
         if self.precompute_reference and self.kind not in NEEDS_REFERENCE:
             raise ConfigError(
-                "model.preference.precompute_reference",
+                f"{group}.precompute_reference",
                 f"applies to dpo and ipo (they have a reference model), not kind: {self.kind}",
             )
         settings = {k: v for k, v in asdict(self).items() if k != "precompute_reference"}
         try:
             loss = PreferenceLoss(**settings)
         except SettingError as error:
-            raise ConfigError(f"model.preference.{error.setting}", error.message) from None
+            raise ConfigError(f"{group}.{error.setting}", error.message) from None
         if self.precompute_reference and self.reference_free:
             raise ConfigError(
-                "model.preference.precompute_reference",
+                f"{group}.precompute_reference",
                 "has no reference to compute with model.preference.reference_free: true",
             )
         return loss

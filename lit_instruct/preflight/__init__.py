@@ -23,11 +23,14 @@ from lit_instruct.models.four_bit import require_bitsandbytes
 from lit_instruct.models.load import QuantizationConfig, load_base_model
 from lit_instruct.models.lora import LoRAConfig, attach_lora, lora_config_of, with_adapter_structure
 from lit_instruct.models.packing import UNPACKABLE_MODEL_TYPES
+from lit_instruct.objectives.choice import resolve_objective
 from lit_instruct.preflight.adapter_fit import adapter_on_skeleton, check_adapter_folder
 from lit_instruct.preflight.model_source import model_source
 from lit_instruct.preflight.resume import check_resume_structure, run_folders
 from lit_instruct.rules import check_values, flatten, refuse_conflicts
 
+OBJECTIVE_CHECKED = ("packing", "neftune_noise_alpha", "loss")
+"""The model settings an objective checks (:meth:`~lit_instruct.objectives.Objective.check`)."""
 NOT_PROBED = "layers the model never calls: found when the weights load"
 
 
@@ -82,9 +85,11 @@ def check_config(config: Mapping[str, Any]) -> ModelPlan:
     """
     settings = config_settings(config)
     check_values(settings)
+    objective = resolve_objective(settings.get("model.objective"), settings.get("model.preference"))
     refuse_conflicts(settings)
-    if settings.get("model.preference") is not None:
-        PreferenceConfig(**settings["model.preference"]).loss()
+    objective.check(
+        {name: settings[f"model.{name}"] for name in OBJECTIVE_CHECKED if f"model.{name}" in settings}
+    )
     lora = LoRAConfig(**settings["model.lora"])
     adapter = settings.get("model.adapter")
     if adapter is not None:
@@ -184,6 +189,7 @@ def check_resume(ckpt_path: Any, name: str, lora: LoRAConfig, settings: Mapping[
         "lora": asdict(lora),
         "quantization": {"method": settings["model.quantization.method"]},
         "preference": preference,
+        "objective": settings.get("model.objective"),
     }
     check_resume_structure(module, ckpt_path)
 

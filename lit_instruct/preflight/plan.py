@@ -41,8 +41,9 @@ class MemoryEstimate:
 
 def rows_per_item(settings: Mapping[str, Any]) -> int:
     """Rows of a batch per ``data.batch_size`` item: 2 for preference pairs (the chosen and the
-    rejected answer), else 1."""
-    return 2 if settings.get("model.preference") is not None else 1
+    rejected answer) and for labelled answers (each beside its KL estimate's mismatched one), else 1."""
+    kind = settings.get("data.batch_kind") or ("pairs" if settings.get("model.preference") else None)
+    return 1 if kind in (None, "conversations") else 2
 
 
 def estimate_memory(plan: ModelPlan, settings: Mapping[str, Any]) -> MemoryEstimate:

@@ -63,9 +63,21 @@ def run_structure(module: Mapping[str, Any]) -> dict[str, Any]:
             value = value.get(key, _MISSING) if isinstance(value, Mapping) else _MISSING
         if value is not _MISSING:
             structure[setting] = value
-    preference = module.get("preference")
-    structure["objective"] = preference.get("kind", "dpo") if isinstance(preference, Mapping) else "sft"
+    structure["objective"] = objective_label(module.get("objective"), module.get("preference"))
     return structure
+
+
+def objective_label(objective: Any, preference: Any = None) -> str:
+    """What a module's ``objective`` setting (a short name, or ``{class_path, init_args}``; the old
+    ``preference`` settings) trains, as one comparable name: ``sft``, ``dpo``, ``kto``, or the
+    lower-cased class name of another objective."""
+    if isinstance(preference, Mapping):
+        return str(preference.get("kind", "dpo"))
+    if isinstance(objective, Mapping):
+        objective = objective.get("class_path")
+    if objective is None:
+        return "sft"
+    return str(objective).rpartition(".")[2].lower()
 
 
 _MISSING = object()
@@ -99,7 +111,7 @@ def check_resume_structure(module: Mapping[str, Any], checkpoint: str | Path) ->
     mine, theirs = run_structure(module), run_structure(hparams)
     for setting, value in theirs.items():
         if setting in mine and not _same(setting, mine[setting], value):
-            name = "model.preference.kind" if setting == "objective" else f"model.{setting}"
+            name = f"model.{setting}"
             fix = (
                 "resume with the config it was trained with"
                 if setting == "objective"

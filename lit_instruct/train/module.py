@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -15,14 +15,14 @@ import torch
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
-from torchmetrics import MeanMetric, SumMetric
 
 from lit_instruct.adapter_folder import save_adapter
-from lit_instruct.batch import num_response_tokens, num_tokens
+from lit_instruct.batch import num_tokens
 from lit_instruct.distributed import full_tensor, launched_rank
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import check_replaceable, log_dir
 from lit_instruct.loss.contract import LossFn
+from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.loss.table import LossChoice, resolve_loss
 from lit_instruct.model_card import TrainingCard
 from lit_instruct.models.build import (
@@ -37,16 +37,19 @@ from lit_instruct.models.generation import generate
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
 from lit_instruct.models.residual_init import as_plain_lora
+from lit_instruct.objectives import Objective, ObjectiveName, ObjectiveSums, PairObjective, resolve_objective
 from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
 from lit_instruct.train.nonfinite import SkipNonFiniteSteps
 from lit_instruct.train.progress_bar import readable_bar
+from lit_instruct.train.reference import reference_pass, trainable_copy
 from lit_instruct.train.resume import resumed_entry
 from lit_instruct.train.rng_states import RestoreRNGStates
 from lit_instruct.train.threads import ThreadBudget
 from lit_instruct.train.throughput import TokensPerSecond
-from lit_instruct.train.window import TokenWindow, gradient_factor, scale_gradients
+from lit_instruct.train.validation_sums import ValidationSums
+from lit_instruct.train.window import StepWindow, gradient_factor, scale_gradients
 from lit_instruct.vocabulary import base_tokenizer
 
 
@@ -97,19 +100,29 @@ def adamw(
 
 
 class InstructLoRAModule(L.LightningModule):
-    """A causal LM with LoRA adapters, trained on the response tokens of instruction data.
+    """A causal LM with LoRA adapters, trained on what its *objective* says.
 
-    ``training_step`` runs the decoder trunk to final hidden states and hands them, shifted, to
+    The objective (:mod:`lit_instruct.objectives`) turns a batch into its summed loss, the count that
+    sum is normalized by and its metrics; the module does the rest, for every objective: the build,
+    one window that divides the step's gradient by the count of the whole accumulation window on all
+    ranks, one validation, the optimizer, checkpoints and the adapter. SFT (the default) runs the
+    decoder trunk to final hidden states and hands them, shifted, to
     ``self.loss_fn(hidden, lm_head.weight, labels, bias=..., transform=...)`` with the model's own
     logit scaling / soft-capping (read from its forward and checked against its logits at load); the
     full ``[tokens, vocab]`` logits are never asked for (``loss``: the fused loss by default). MoE
-    models whose forward adds the router's auxiliary loss get it added too.
+    models whose forward adds the router's auxiliary loss get it added too, for every objective.
 
     The module brings its own callbacks (:meth:`configure_callbacks`): ``train/tokens_per_s``, RNG
     states in checkpoints for exact resumes, and the fit report.
 
     Args:
         model: bundled name (``smollm2-135m-instruct``), local folder, or hub id.
+        objective: what is trained: ``sft`` (default), ``dpo``, ``ipo``, ``simpo``, ``orpo``, or
+            ``{class_path: ..., init_args: ...}`` (a short name, a class name or the import path of
+            an :class:`~lit_instruct.objectives.Objective` subclass, a user's own too), or an
+            objective object. Its batch kind must be the data's (the CLI links them).
+        preference: the old form of a pair objective (``kind``, ``beta``...): still read, and said
+            how to write as ``objective``.
         dtype: dtype of the frozen base weights; ``auto``: ``bfloat16`` where the device computes
             bf16 natively (:func:`lit_instruct.precision.auto_precision`, the Trainer's
             ``precision="auto"``), else ``float32``; a bf16 base under an fp32 Trainer precision is
@@ -190,15 +203,23 @@ class InstructLoRAModule(L.LightningModule):
         adapter: str | None = None,
         added_tokens: list[str] | None = None,
         neftune_noise_alpha: float | None = None,
+        objective: Objective | ObjectiveName | None = None,
+        preference: PreferenceConfig | None = None,
     ) -> None:
         super().__init__()
+        self.objective = resolve_objective(objective, preference)  # checked before the model loads
+        given = {"packing": packing, "neftune_noise_alpha": neftune_noise_alpha, "loss": loss}
+        self.objective.check(given)  # the names of preflight.OBJECTIVE_CHECKED
         self.lora_config = LoRAConfig(**lora) if isinstance(lora, dict) else lora or LoRAConfig()
         if adapter is not None:  # the adapter brings its own structure; LoRA+ is the user's to set
             self.lora_config = with_adapter_structure(self.lora_config, lora_config_of(adapter))
         if isinstance(quantization, dict):
             quantization = QuantizationConfig(**quantization)
         self.quantization = quantization or QuantizationConfig()
-        self.save_hyperparameters(ignore=["lora", "quantization", "loss", "optimizer"])
+        self.save_hyperparameters(
+            ignore=["lora", "quantization", "loss", "optimizer", "objective", "preference"]
+        )
+        self.hparams["objective"] = self.objective.config()  # plain data: what rebuilds it
         # hparams rebuild the module (checkpoints): a loss given by name is kept, objects are not
         self.hparams["loss"] = loss if isinstance(loss, str) else None
         self.optimizer_factory = optimizer
@@ -234,10 +255,11 @@ class InstructLoRAModule(L.LightningModule):
         self.eva_result: EvaResult | None = None  # this fit's data pass (none when resumed with ranks)
         self.packing = packing
         self.loss_fn: LossFn = resolve_loss(loss)
-        self.window = TokenWindow()
-        self.val_loss = MeanMetric()
-        self.val_tokens = SumMetric()
-        self.val_by_source: dict[str, torch.Tensor] = {}  # name -> (loss sum, response tokens)
+        self.window = StepWindow(self.objective.metric_names)
+        self.val_sums = ValidationSums(self.objective.metric_names)
+        self.reference_adapter: dict[str, torch.Tensor] | None = None  # the SFT adapter, as the reference
+        if adapter is not None and self.objective.needs_reference:
+            self.reference_adapter = trainable_copy(self.model)  # before a checkpoint's weights load
         self.tokens_seen = 0
         self.response_tokens_seen = 0
         self.last_val_step: int | None = None
@@ -354,6 +376,8 @@ class InstructLoRAModule(L.LightningModule):
         if low_memory:
             fill_from_rank_zero(self.model, full, self.device)
         self._sharded = True
+        if self.reference_adapter is not None:  # again, from the shards (DTensors laid out as the
+            self.reference_adapter = trainable_copy(self.model)  # parameters; a checkpoint loads after)
 
     def configure_callbacks(self) -> list[L.Callback]:
         """Throughput, RNG states for exact resumes, the fit report, on CPU the threads following the
@@ -433,83 +457,95 @@ class InstructLoRAModule(L.LightningModule):
         """Final (normed) hidden states of the decoder trunk, ``(B, T, H)``."""
         return self.trunk(batch)[0]
 
-    def loss_sum_and_count(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
-        """Sum of CE over response-token predictions of ``batch``, and how many there are."""
-        return self._losses(batch)[:2]
-
-    def _losses(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-        hidden, aux = self.trunk(batch)  # (B, T, H)
-        shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
-        labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
-        head = self.lm_head  # peft's wrappers (new tokens' rows, modules_to_save) give what they compute with
+    def output_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output projection's weight and bias as the loss takes them: peft's wrappers (new
+        tokens' rows, ``modules_to_save``) give what they compute with, whole if FSDP sharded them."""
+        head = self.lm_head
         bias = head.bias if hasattr(head, "bias") else None  # the trainable-tokens head computes without one
-        weight, whole_bias = full_tensor(head.weight), full_tensor(bias)  # whole, if FSDP sharded them
+        weight = full_tensor(head.weight)
         assert weight is not None
-        loss_sum = self.loss_fn(
-            shifted, weight, labels, bias=whole_bias, transform=self.logit_transform, reduction="sum"
-        )
-        return loss_sum, num_response_tokens(batch), aux
+        return weight, full_tensor(bias)
+
+    @contextmanager
+    def reference_model(self) -> Iterator[None]:
+        """The model as an objective's reference (:mod:`lit_instruct.train.reference`): eval mode,
+        and the adapter off, or the SFT adapter training continued from in place of the trained one."""
+        with reference_pass(self.model, self.reference_adapter):
+            yield
+
+    def loss_sum_and_count(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """The objective's summed loss over ``batch`` (with the router's auxiliary loss of an MoE
+        model), and the count it is normalized by (SFT: the response-token predictions)."""
+        sums = self.objective_sums(batch)
+        return sums.loss_sum, sums.count
+
+    def objective_sums(self, batch: dict[str, Any]) -> ObjectiveSums:
+        """The objective's sums of ``batch``; with a router auxiliary loss, ``coefficient * aux * count``
+        added to the loss: divided by the count, that is the model's own ``mean loss + coefficient *
+        aux`` (weighted by the count over the window)."""
+        sums = self.objective.sums(self, batch)
+        if sums.aux is not None and self.router_aux_loss is not None:
+            if self.training:
+                self.log("train/aux_loss", sums.aux.detach().float(), batch_size=1)
+            sums.loss_sum = sums.loss_sum + self.router_aux_loss.coefficient * sums.aux * sums.count
+        return sums
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """The micro-batch's *summed* loss; :meth:`on_before_optimizer_step` divides the window's
-        gradient by the response-token count of the whole window on all ranks.
-
-        With a router auxiliary loss, ``coefficient * aux * count`` is added: divided by the count,
-        that is the model's own ``mean CE + coefficient * aux`` (token-weighted over the window).
-        """
-        loss_sum, count, aux = self._losses(batch)
-        if aux is not None and self.router_aux_loss is not None:
-            self.log("train/aux_loss", aux.detach().float(), batch_size=1)
-            loss_sum = loss_sum + self.router_aux_loss.coefficient * aux * count
-        self.window.add(loss_sum, count, num_tokens(batch))
-        return loss_sum
+        gradient by the objective's count over the whole window on all ranks."""
+        sums = self.objective_sums(batch)
+        self.window.add(sums.loss_sum, sums.count, num_tokens(batch), sums.answer_tokens, sums.metric_sums)
+        return sums.loss_sum
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Make the step's gradient that of sum(CE) / count over the whole window, all ranks, before
-        any clipping (:mod:`lit_instruct.train.window`); log the window's token-weighted loss."""
+        """Make the step's gradient that of sum(loss) / count over the whole window, all ranks, before
+        any clipping (:mod:`lit_instruct.train.window`); log the window's loss, count and metrics."""
         totals = self.window.close(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"), self.device)
         trainer = self.trainer
-        factor = gradient_factor(totals.response_tokens, trainer.accumulate_grad_batches, trainer.world_size)
+        factor = gradient_factor(totals.count, trainer.accumulate_grad_batches, trainer.world_size)
         scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
         self.tokens_seen += totals.tokens
-        self.response_tokens_seen += totals.response_tokens
+        self.response_tokens_seen += totals.answer_tokens
         self.log("train/loss", totals.loss, prog_bar=True, batch_size=1)
-        self.log("train/response_tokens", float(totals.response_tokens), batch_size=1)
+        self.log(f"train/{self.objective.count_name}", float(totals.count), batch_size=1)
         self.log("train/tokens", float(self.tokens_seen), batch_size=1)
         self.log("train/lr", optimizer.param_groups[0]["lr"], prog_bar=True, batch_size=1)
+        for name, value in totals.metrics().items():
+            self.log(f"train/{name}", value, batch_size=1)
+
+    def on_fit_start(self) -> None:
+        self.objective.on_fit_start(self)
+
+    def on_validation_start(self) -> None:
+        self.objective.on_validation_start(self)
 
     # -- validation metrics ---------------------------------------------------------------------
 
     def on_validation_epoch_start(self) -> None:
-        # Reset here, under the loop's own grad mode: states made under inference mode (a
-        # `trainer.validate` before fit) cannot be updated in place by fit's validation.
-        self.val_loss.reset()
-        self.val_tokens.reset()
-        self.val_by_source = {}
+        self.val_sums.reset()
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Token-weighted validation loss, overall and per source (batches that carry ``source``)."""
-        loss_sum, count = self.loss_sum_and_count(batch)
-        if count:
-            self.val_loss.update(loss_sum / count, weight=count)
-            self.val_tokens.update(count)
-        if "source" in batch:  # every rank sees every source's loader: the same names everywhere
-            zeros = torch.zeros(2, dtype=torch.float64, device=loss_sum.device)
-            sums = self.val_by_source.setdefault(batch["source"], zeros)
-            sums += torch.stack([loss_sum.detach().double(), zeros.new_tensor(float(count))])
+        """The objective's held-out sums, overall and per source (batches that carry ``source``)."""
+        sums = self.objective_sums(batch)
+        self.val_sums.add(batch.get("source"), sums.loss_sum, sums.count, sums.metric_sums)
 
     def on_validation_epoch_end(self) -> None:
-        with warnings.catch_warnings():  # a rank whose share was only padding made no update
-            warnings.filterwarnings("ignore", ".*before the ``update`` method", UserWarning)
-            tokens = self.val_tokens.compute()  # over all ranks
-            if not tokens:
-                return
-            loss = self.val_loss.compute()
-        metrics = {"val/loss": loss, "val/ppl": loss.exp(), "val/tokens": tokens}
-        for name in sorted(self.val_by_source):
-            loss_sum, count = self.trainer.strategy.reduce(self.val_by_source[name], reduce_op="sum")
-            metrics[f"val/loss/{name}"] = (loss_sum / count.clamp(min=1)).float()
-        self.log_dict(metrics, sync_dist=True)  # equal on every rank already (torchmetrics syncs)
+        """``val/loss`` (the mean over every held-out unit of all ranks), ``val/<count>``, the
+        objective's metrics (SFT: ``val/ppl``) and ``val/loss/<source>`` per named source."""
+        overall, by_source = self.val_sums.close(
+            lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"), self.device
+        )
+        if not overall.count:
+            return
+        loss = torch.tensor(overall.loss, dtype=torch.float64)
+        objective = self.objective
+        metrics = {"val/loss": loss, f"val/{objective.val_count_name or objective.count_name}": overall.count}
+        metrics.update({f"val/{k}": v for k, v in objective.validation_metrics(loss).items()})
+        metrics.update({f"val/{name}": value for name, value in overall.metrics().items()})
+        for name, totals in sorted(by_source.items()):
+            metrics[f"val/loss/{name}"] = totals.loss
+        as_floats = {k: torch.as_tensor(v, dtype=torch.float64).float() for k, v in metrics.items()}
+        self.log_dict(as_floats, sync_dist=True)  # equal on every rank already
         if not self.trainer.sanity_checking:
             self.last_val_step = self.global_step
 
@@ -615,10 +651,12 @@ class InstructLoRAModule(L.LightningModule):
     def training_card(self) -> TrainingCard:
         """What the adapter's model card says: base, objective, LoRA settings, the training sources'
         counts (an :class:`InstructDataModule`'s), the steps, the last ``val/*`` metrics and the
-        preference settings of a preference run."""
+        settings of a pair objective."""
         trainer = self._trainer
-        preference = self.hparams.get("preference")
-        objective = str(preference.get("kind", "dpo")) if isinstance(preference, dict) else "sft"
+        objective = self.objective.name or type(self.objective).__name__.lower()
+        preference = None  # a pair objective's settings, as ``eval`` on pairs reads them back
+        if isinstance(self.objective, PairObjective):
+            preference = {"kind": self.objective.kind, **self.objective.settings()}
         counts = getattr(getattr(getattr(trainer, "datamodule", None), "prepared", None), "counts", None)
         sources = {name: dict(c) for name, c in (counts or {}).get("train", {}).items()}
         metrics = {}
@@ -626,6 +664,5 @@ class InstructLoRAModule(L.LightningModule):
             if name.startswith("val/") and value.numel() == 1:
                 metrics[name] = float(value)
         steps = trainer.global_step if trainer is not None else 0
-        settings = preference if isinstance(preference, dict) else None  # what ``eval`` reads back
         lora = self.hparams["lora"]
-        return TrainingCard(self.hparams["model"], objective, lora, steps, sources, metrics, settings)
+        return TrainingCard(self.hparams["model"], objective, lora, steps, sources, metrics, preference)

@@ -1,7 +1,8 @@
-"""PreferenceDataModule: preference pairs read, split, rendered and batched as ``[chosen; rejected]``.
+"""Preference pairs read, split, rendered and batched as ``[chosen; rejected]``: the part of an
+:class:`~lit_instruct.data.datamodule.InstructDataModule` with ``batch_kind: pairs``.
 
-The sources, the split, the tokenizer, the new tokens, the training order and its resume are
-:class:`~lit_instruct.data.datamodule.InstructDataModule`'s; what differs is what a record is (a
+The sources, the split, the tokenizer, the new tokens, the training order and its resume are the
+data module's; what differs is what a record is (a
 :class:`~lit_instruct.data.preference.PreferenceRecord`: TRL's layouts and UltraFeedback's), how it
 renders (a :class:`~lit_instruct.data.preference.PreferencePair` sharing its prompt's tokens, both answers cut
 alike) and how pairs batch (:class:`PairCollator`). The held-out pairs are whole prompts: pairs
@@ -23,8 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lit_instruct.data.datamodule import InstructDataModule, ignore_stop_signals
 from lit_instruct.data.even_shards import EvenShards
+from lit_instruct.data.loader_workers import ignore_stop_signals
 from lit_instruct.data.nothing_to_train import ANSWERS_CUT_SHORT, MIN_CUT_ANSWER_TOKENS, pairs_cut_short
 from lit_instruct.data.preference import (
     PreferenceCollator,
@@ -42,7 +43,6 @@ from lit_instruct.data.training_feed import PositionKeptLoader
 from lit_instruct.data.validation import Rejects, check_vocabulary
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.rules import shown
 
 
 class PairStore(Sequence[PreferencePair]):
@@ -192,83 +192,61 @@ def _drop_duplicates(
     return unique
 
 
-class PreferenceDataModule(InstructDataModule):
-    """Preference pairs (``prompt``/``chosen``/``rejected``, or ``chosen``/``rejected`` conversations
-    sharing all but their last turn) from the same sources as :class:`InstructDataModule`, with its
-    settings. Each micro-batch holds ``batch_size`` pairs: ``2 * batch_size`` rows, the chosen then
-    the rejected. Over ``max_seq_len``, a pair's prompt keeps its end and both answers are cut alike
-    (``on_long_sample``: ``truncate``, ``drop`` or ``raise``).
-
-    Refused (a :class:`ConfigError`): ``packing``, ``streaming``, ``chatterbot_categories`` (no
-    pairs), ``train_on: all``, ``multi_turn`` other than ``auto`` / ``last`` (only each pair's
-    last answer is trained) and a ``format`` other than ``auto`` (the pair layouts are told apart
-    per record). ``num_proc`` is unused: pairs render in the main process, uncached.
+class PairBatches:
+    """The pairs part of an :class:`~lit_instruct.data.datamodule.InstructDataModule` whose
+    ``batch_kind`` is ``pairs``: preference pairs (``prompt``/``chosen``/``rejected``, or
+    ``chosen``/``rejected`` conversations sharing all but their last turn) from the data module's
+    sources, with its settings. Each micro-batch holds ``batch_size`` pairs: ``2 * batch_size`` rows,
+    the chosen then the rejected. Over ``max_seq_len``, a pair's prompt keeps its end and both answers
+    are cut alike (``on_long_sample``: ``truncate``, ``drop`` or ``raise``). The settings that do not
+    apply to pairs are refused by :data:`lit_instruct.rules.CONFLICTS`; a source's own ``format``
+    other than ``auto`` and the chatterbot corpus here. ``num_proc`` is unused: pairs render in the
+    main process, uncached.
     """
 
-    def _refuse_sft_only(self) -> None:
-        hparams = self.hparams
-        refused = {  # setting: (refused, what is right, why)
-            "data.packing": (hparams.get("packing"), "false", "pairs are padded rows"),
-            "data.streaming": (hparams.get("streaming"), "false", "pairs are prepared before training"),
-            "data.chatterbot_categories": (
-                hparams.get("chatterbot_categories"),
-                "null",
-                "the chatterbot corpus has no preference pairs",
-            ),
-            "data.train_on": (
-                hparams.get("train_on") not in (None, "answers"),
-                "answers",
-                "a pair trains its two answers",
-            ),
-            "data.multi_turn": (
-                hparams.get("multi_turn") not in (None, "auto", "last"),
-                "auto or last",
-                "only each pair's last answer is trained",
-            ),
-        }
-        for setting, (value, right, why) in refused.items():
-            if value:
-                raise ConfigError(
-                    setting,
-                    f"must be {right} for preference data ({why}), got {shown(hparams.get(setting[5:]))}",
-                )
-        for source in self.sources + self.val_sources:
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def _refuse_sources(self) -> None:
+        data = self.data
+        for source in data.sources + data.val_sources:
             if source.path.startswith(CHATTERBOT):
                 raise ConfigError(
                     "data.sources", f"{source.path}: the chatterbot corpus has no preference pairs"
                 )
             if source.format != "auto":
                 raise ConfigError(
-                    "data.format" if hparams.get("format") != "auto" else "data.sources",
+                    "data.format" if data.hparams.get("format") != "auto" else "data.sources",
                     f"{source.path}: format must be auto for preference data (the pair layouts are told "
                     f"apart per record), got {source.format!r}",
                 )
 
-    def prepare_samples(self) -> PreparedPairs:  # type: ignore[override]
+    def prepare(self) -> PreparedPairs:
         """Read, split and render the pairs (not cached: render time is small next to a step's)."""
-        self._refuse_sft_only()
-        tokenizer = self.load_tokenizer()
-        settings = self.settings
-        vocab = self.model_vocab_size()
+        self._refuse_sources()
+        data = self.data
+        tokenizer = data.load_tokenizer()
+        settings = data.settings
+        vocab = data.model_vocab_size()
         counts: dict[str, dict[str, Counter[str]]] = {"train": {}, "val": {}}
         rejects = Rejects(settings.on_bad_record)
-        names = [s.name or "" for s in self.sources]
+        names = [s.name or "" for s in data.sources]
         train = [
             _read_pairs(s, rejects, counts["train"].setdefault(n, Counter()))
-            for s, n in zip(self.sources, names, strict=True)
+            for s, n in zip(data.sources, names, strict=True)
         ]
         if settings.deduplicate:
             seen: set[Any] = set()
             train = [_drop_duplicates(r, seen, counts["train"][n]) for r, n in zip(train, names, strict=True)]
-        val_names = [s.name or "" for s in self.val_sources]
+        val_names = [s.name or "" for s in data.val_sources]
         val = [
             _read_pairs(s, rejects, counts["val"].setdefault(n, Counter()))
-            for s, n in zip(self.val_sources, val_names, strict=True)
+            for s, n in zip(data.val_sources, val_names, strict=True)
         ]
-        val_parts = list(self.val_sources)
-        for i, source in enumerate(self.sources):
+        val_parts = list(data.val_sources)
+        for i, source in enumerate(data.sources):
             fraction = source.val_fraction if source.val_fraction is not None else settings.val_fraction
-            if self.val_sources and source.val_fraction is None:
+            if data.val_sources and source.val_fraction is None:
                 fraction = 0.0
             train[i], held_out = hold_out_prompts(train[i], fraction, settings.split_seed)
             if held_out:
@@ -294,7 +272,7 @@ class PreferenceDataModule(InstructDataModule):
             return PairStore(parts, split_names)
 
         prepared = PreparedPairs(
-            render("train", self.sources, train, names),
+            render("train", data.sources, train, names),
             render("val", val_parts, val, val_names),
             counts,
             rejects.rows,
@@ -311,7 +289,7 @@ class PreferenceDataModule(InstructDataModule):
     ) -> list[PreferencePair]:
         """The pairs of ``records``; long ones truncated (counted), dropped or raised as
         ``on_long_sample`` says, bad ones raised or skipped as ``on_bad_record`` says."""
-        policy = self.settings.on_long_sample
+        policy = self.data.settings.on_long_sample
         pairs = []
         for record in records:
             try:
@@ -343,17 +321,15 @@ class PreferenceDataModule(InstructDataModule):
         return pairs
 
     def nothing_to_train(self) -> ConfigError | None:
-        """As for conversations, and also when every training pair's answers were cut to under
-        :data:`MIN_CUT_ANSWER_TOKENS` tokens: a preference between answers' first few tokens."""
-        nothing = super().nothing_to_train()
-        if nothing is not None:
-            return nothing
-        sources = [source.path for source in self.sources]
-        return pairs_cut_short(self._prepared().totals("train"), sources, self.settings.max_seq_len)
+        """When every training pair's answers were cut to under :data:`MIN_CUT_ANSWER_TOKENS`
+        tokens: a preference between answers' first few tokens (no pair at all: the data module's)."""
+        data = self.data
+        sources = [source.path for source in data.sources]
+        return pairs_cut_short(data._prepared().totals("train"), sources, data.settings.max_seq_len)
 
     def pairs(self, split: str) -> PairStore:
-        """The ``train`` or ``val`` pairs (after :meth:`setup`)."""
-        prepared = cast(PreparedPairs, self._prepared())
+        """The ``train`` or ``val`` pairs (after the data module's ``setup``)."""
+        prepared = cast(PreparedPairs, self.data._prepared())
         return prepared.train if split == "train" else prepared.val
 
     def cache_reference(
@@ -376,9 +352,9 @@ class PreferenceDataModule(InstructDataModule):
             if store.pairs and store.reference_key != key:
                 store.pairs[:] = compute_reference(
                     store.pairs,
-                    self._collator(),
+                    self.collator(),
                     reference,
-                    self.eval_batch_size,
+                    self.data.eval_batch_size,
                     world_size,
                     rank,
                     all_reduce_sum,
@@ -387,34 +363,35 @@ class PreferenceDataModule(InstructDataModule):
                 computed += len(store.pairs)
         return computed
 
-    def _collator(self, source: str | None = None) -> PairCollator:  # type: ignore[override]
-        tokenizer = self.load_tokenizer()
+    def collator(self) -> PairCollator:
+        tokenizer = self.data.load_tokenizer()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return PairCollator(pad_id, self.pad_to_multiple_of)
+        return PairCollator(pad_id, self.data.pad_to_multiple_of)
 
-    def train_dataloader(self) -> DataLoader:
-        """The feed's order (seeded, sharded, resumable) over the pairs, ``batch_size`` pairs a batch."""
-        loader = super().train_dataloader()  # the feed's sampler, over the pairs
+    def train_dataloader(self, sampler: Any) -> DataLoader:
+        """The feed's order (``sampler``: seeded, sharded, resumable) over the pairs, ``batch_size``
+        pairs a batch."""
         return PositionKeptLoader(
             UncountedPairs(self.pairs("train")),
-            batch_size=self.batch_size,
-            sampler=loader.sampler,
-            collate_fn=self._collator(),
+            batch_size=self.data.batch_size,
+            sampler=sampler,
+            collate_fn=self.collator(),
         )
 
     def val_dataloader(self) -> DataLoader:
         """All held-out pairs in order, over several ranks each counted once."""
         pairs = self.pairs("val")
-        trainer = self.trainer
+        data = self.data
+        trainer = data.trainer
         sampler = None
         if trainer is not None and trainer.world_size > 1:
             sampler = EvenShards(pairs, trainer.world_size, trainer.global_rank)
         return DataLoader(
             UncountedPairs(pairs),  # without padding repeats: the pairs as they are
-            batch_size=self.eval_batch_size,
+            batch_size=data.eval_batch_size,
             shuffle=False,
             sampler=sampler,
-            collate_fn=self._collator(),
-            num_workers=self.num_workers,
+            collate_fn=self.collator(),
+            num_workers=data.num_workers,
             worker_init_fn=ignore_stop_signals,
         )
