@@ -33,12 +33,14 @@ _EXPORTS = {
     "IPO": "lit_instruct.objectives.pairs",
     "SimPO": "lit_instruct.objectives.pairs",
     "ORPO": "lit_instruct.objectives.pairs",
+    "KTO": "lit_instruct.objectives.kto",
     "fused_linear_cross_entropy": "lit_instruct.loss.fused",
 }
 
 __all__ = [
     "DPO",
     "IPO",
+    "KTO",
     "ORPO",
     "SFT",
     "DataSource",
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
     from lit_instruct.loss.preference import PreferenceConfig
     from lit_instruct.models.lora import LoRAConfig
     from lit_instruct.objectives.base import Objective, ObjectiveSums
+    from lit_instruct.objectives.kto import KTO
     from lit_instruct.objectives.pairs import DPO, IPO, ORPO, SimPO
     from lit_instruct.objectives.sft import SFT
     from lit_instruct.train.module import InstructLoRAModule

@@ -24,6 +24,7 @@ from lit_instruct.data.render import MultiTurn, TrainOn
 from lit_instruct.data.sources import CHATTERBOT, DataSource
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.training_feed import SampledFeed, StreamedFeed, TrainingFeed, key_values
+from lit_instruct.data.unpaired_batches import UnpairedBatches
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import log_dir
@@ -219,7 +220,9 @@ class InstructDataModule(L.LightningDataModule):
         self.prepared: PreparedData | None = None
         self._set_up = False
         self.batch_kind = batch_kind
-        self.part: Any = {"pairs": PairBatches}.get(batch_kind, lambda data: None)(self)
+        self.part: Any = {"pairs": PairBatches, "unpaired": UnpairedBatches}.get(
+            batch_kind, lambda data: None
+        )(self)
         """What reads, renders and batches a kind other than conversations (``None`` for those)."""
 
     def prepare_data(self) -> None:

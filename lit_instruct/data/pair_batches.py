@@ -109,26 +109,21 @@ class PreparedPairs:
         return sum(self.counts[split].values(), Counter())
 
 
-class UncountedPairs(Dataset):
-    """``pairs``, where a marked index (:func:`~lit_instruct.data.even_shards.padding_index`, the
-    repeats that even out the ranks) gives its pair with no label: it counts as no pair."""
+class Uncounted(Dataset):
+    """``items`` (pairs, answers), where a marked index (:func:`~lit_instruct.data.even_shards.padding_index`,
+    the repeats that even out the ranks) gives its item with no label (``without_labels``): it counts
+    as nothing."""
 
-    def __init__(self, pairs: Sequence[PreferencePair]) -> None:
-        self.pairs = pairs
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items = items
 
     def __len__(self) -> int:
-        return len(self.pairs)
+        return len(self.items)
 
-    def __getitem__(self, index: int) -> PreferencePair:
+    def __getitem__(self, index: int) -> Any:
         if index >= 0:
-            return self.pairs[index]
-        pair = self.pairs[-1 - index]
-        return replace(
-            pair,
-            chosen=replace(pair.chosen, labels=[IGNORE_INDEX] * len(pair.chosen.labels)),
-            rejected=replace(pair.rejected, labels=[IGNORE_INDEX] * len(pair.rejected.labels)),
-            truncated=False,
-        )
+            return self.items[index]
+        return self.items[-1 - index].without_labels()
 
 
 class PairCollator(PreferenceCollator):
@@ -162,9 +157,7 @@ def _read_pairs(source: DataSource, rejects: Rejects, counts: Counter[str]) -> l
     return records
 
 
-def hold_out_prompts(
-    records: list[PreferenceRecord], fraction: float, seed: int
-) -> tuple[list[PreferenceRecord], list[PreferenceRecord]]:
+def hold_out_prompts(records: list[Any], fraction: float, seed: int) -> tuple[list[Any], list[Any]]:
     """A seeded ``fraction`` of the prompts held out with all their pairs, both parts in reading
     order: :func:`~lit_instruct.data.prepare.hold_out`'s split of the prompts (with one pair per
     prompt, its very split of the records)."""
@@ -177,13 +170,11 @@ def hold_out_prompts(
     )
 
 
-def _drop_duplicates(
-    records: list[PreferenceRecord], seen: set[Any], counts: Counter[str]
-) -> list[PreferenceRecord]:
-    """Keep the first of identical pairs (``seen`` spans all sources)."""
+def _drop_duplicates(records: list[Any], seen: set[Any], counts: Counter[str]) -> list[Any]:
+    """Keep the first of identical records (their ``key``; ``seen`` spans all sources)."""
     unique = []
     for record in records:
-        key = (record.chosen.key, record.rejected.key)
+        key = record.key
         if key in seen:
             counts["dropped_duplicate"] += 1
             continue
@@ -204,8 +195,15 @@ class PairBatches:
     main process, uncached.
     """
 
+    renderer_class: Any = PreferenceRenderer
+    store_class: Any = PairStore
+
     def __init__(self, data: Any) -> None:
         self.data = data
+
+    def read(self, source: DataSource, rejects: Rejects, counts: Counter[str]) -> list[Any]:
+        """Every record of ``source`` (bad ones raise or are counted, per ``rejects``)."""
+        return _read_pairs(source, rejects, counts)
 
     def _refuse_sources(self) -> None:
         data = self.data
@@ -232,7 +230,7 @@ class PairBatches:
         rejects = Rejects(settings.on_bad_record)
         names = [s.name or "" for s in data.sources]
         train = [
-            _read_pairs(s, rejects, counts["train"].setdefault(n, Counter()))
+            self.read(s, rejects, counts["train"].setdefault(n, Counter()))
             for s, n in zip(data.sources, names, strict=True)
         ]
         if settings.deduplicate:
@@ -240,7 +238,7 @@ class PairBatches:
             train = [_drop_duplicates(r, seen, counts["train"][n]) for r, n in zip(train, names, strict=True)]
         val_names = [s.name or "" for s in data.val_sources]
         val = [
-            _read_pairs(s, rejects, counts["val"].setdefault(n, Counter()))
+            self.read(s, rejects, counts["val"].setdefault(n, Counter()))
             for s, n in zip(data.val_sources, val_names, strict=True)
         ]
         val_parts = list(data.val_sources)
@@ -254,22 +252,22 @@ class PairBatches:
                 val.append(held_out)
                 val_names.append(name)
                 val_parts.append(source)
-        renderers: dict[str | None, PreferenceRenderer] = {}
+        renderers: dict[str | None, Any] = {}
 
         def render(
             split: str,
             sources: list[DataSource],
-            records: list[list[PreferenceRecord]],
+            records: list[list[Any]],
             split_names: list[str],
         ) -> PairStore:
             parts = []
             for index, (source, part, name) in enumerate(zip(sources, records, split_names, strict=True)):
                 template = settings.template_for(source)
                 if template not in renderers:
-                    renderers[template] = PreferenceRenderer(tokenizer, settings.max_seq_len, template)
+                    renderers[template] = self.renderer_class(tokenizer, settings.max_seq_len, template)
                 source_counts = counts[split].setdefault(name, Counter())
                 parts.append((index, self._render(part, renderers[template], source_counts, rejects, vocab)))
-            return PairStore(parts, split_names)
+            return self.store_class(parts, split_names)
 
         prepared = PreparedPairs(
             render("train", data.sources, train, names),
@@ -372,7 +370,7 @@ class PairBatches:
         """The feed's order (``sampler``: seeded, sharded, resumable) over the pairs, ``batch_size``
         pairs a batch."""
         return PositionKeptLoader(
-            UncountedPairs(self.pairs("train")),
+            Uncounted(self.pairs("train")),
             batch_size=self.data.batch_size,
             sampler=sampler,
             collate_fn=self.collator(),
@@ -387,7 +385,7 @@ class PairBatches:
         if trainer is not None and trainer.world_size > 1:
             sampler = EvenShards(pairs, trainer.world_size, trainer.global_rank)
         return DataLoader(
-            UncountedPairs(pairs),  # without padding repeats: the pairs as they are
+            Uncounted(pairs),  # without padding repeats: the pairs as they are
             batch_size=data.eval_batch_size,
             shuffle=False,
             sampler=sampler,

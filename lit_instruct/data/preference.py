@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -85,6 +85,11 @@ class PreferenceRecord:
         """What the two answers follow (the turns before the last, the tools): pairs with the same one
         share a prompt."""
         return (self.chosen.messages[:-1], self.chosen.tools)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What makes two pairs the same (duplicates): both conversations."""
+        return (self.chosen.key, self.rejected.key)
 
 
 @dataclass(frozen=True)
@@ -294,12 +299,14 @@ def _check_messages(raw: dict[str, Any], prompt: Part, chosen: Part, source: str
         )
 
 
-def _unused(raw: dict[str, Any], parts: list[Part], source: str) -> tuple[str, ...]:
-    """The non-empty fields no part of the pair reads, the record's and its turns'
-    (``chosen[].lang``); a refused one raises."""
+def _unused(
+    raw: dict[str, Any], parts: list[Part], source: str, fields: frozenset[str] = FIELDS
+) -> tuple[str, ...]:
+    """The non-empty fields no part of the record reads (``fields``: those it reads), the record's
+    and its turns' (``chosen[].lang``); a refused one raises."""
     unused = set()
     for name, value in raw.items():
-        if name in FIELDS or is_empty(value):
+        if name in fields or is_empty(value):
             continue
         if name in REFUSED:
             raise DataError(source, f"field '{name}' holds {REFUSED[name]}: refused", "unsupported_field")
@@ -378,6 +385,15 @@ class PreferencePair:
     truncated: bool = False
     reference: tuple[float, float] | None = None
     shortest_cut_answer: int | None = None
+
+    def without_labels(self) -> PreferencePair:
+        """The pair as a rank's padding repeat: nothing in it counts."""
+        return replace(
+            self,
+            chosen=replace(self.chosen, labels=[IGNORE_INDEX] * len(self.chosen.labels)),
+            rejected=replace(self.rejected, labels=[IGNORE_INDEX] * len(self.rejected.labels)),
+            truncated=False,
+        )
 
 
 def _prompt_length(sample: Sample, field: str, source: str) -> int:

@@ -43,6 +43,8 @@ class Policy(Protocol):
 
     def reference_model(self) -> AbstractContextManager[None]: ...
 
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor: ...
+
 
 @dataclass
 class ObjectiveSums:
@@ -101,6 +103,11 @@ class Objective:
     def sums(self, policy: Policy, batch: dict[str, Any]) -> ObjectiveSums:
         """The batch's summed loss, its count and metric sums."""
         raise NotImplementedError
+
+    def metrics(self, sums: Mapping[str, float], count: int) -> dict[str, float]:
+        """The logged metrics from a window's (or a validation's) metric sums over ``count`` units:
+        each sum's mean over them (an objective with other denominators says its own)."""
+        return {name: value / max(count, 1) for name, value in sums.items()}
 
     def validation_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
         """Metrics derived from the held-out mean loss (SFT's perplexity), by name under ``val/``."""

@@ -14,11 +14,12 @@ from lit_instruct.batch import BatchKind
 from lit_instruct.errors import ConfigError, closest
 from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.objectives.base import Objective
+from lit_instruct.objectives.kto import KTO
 from lit_instruct.objectives.pairs import DPO, IPO, ORPO, PairObjective, SimPO
 from lit_instruct.objectives.sft import SFT
 
-ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, IPO, SimPO, ORPO)}
+ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
+OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, IPO, SimPO, ORPO, KTO)}
 """The objectives by short name."""
 
 

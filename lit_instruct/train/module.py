@@ -473,6 +473,14 @@ class InstructLoRAModule(L.LightningModule):
         with reference_pass(self.model, self.reference_adapter):
             yield
 
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over every rank (a collective; as they are without a Trainer or on one
+        process)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1:
+            return values
+        return trainer.strategy.reduce(values, reduce_op="sum")
+
     def loss_sum_and_count(self, batch: dict[str, Any]) -> tuple[torch.Tensor, int]:
         """The objective's summed loss over ``batch`` (with the router's auxiliary loss of an MoE
         model), and the count it is normalized by (SFT: the response-token predictions)."""
@@ -510,7 +518,7 @@ class InstructLoRAModule(L.LightningModule):
         self.log(f"train/{self.objective.count_name}", float(totals.count), batch_size=1)
         self.log("train/tokens", float(self.tokens_seen), batch_size=1)
         self.log("train/lr", optimizer.param_groups[0]["lr"], prog_bar=True, batch_size=1)
-        for name, value in totals.metrics().items():
+        for name, value in self.objective.metrics(totals.metric_sums, totals.count).items():
             self.log(f"train/{name}", value, batch_size=1)
 
     def on_fit_start(self) -> None:
@@ -541,7 +549,8 @@ class InstructLoRAModule(L.LightningModule):
         objective = self.objective
         metrics = {"val/loss": loss, f"val/{objective.val_count_name or objective.count_name}": overall.count}
         metrics.update({f"val/{k}": v for k, v in objective.validation_metrics(loss).items()})
-        metrics.update({f"val/{name}": value for name, value in overall.metrics().items()})
+        finished = objective.metrics(overall.metric_sums, overall.count)
+        metrics.update({f"val/{name}": value for name, value in finished.items()})
         for name, totals in sorted(by_source.items()):
             metrics[f"val/loss/{name}"] = totals.loss
         as_floats = {k: torch.as_tensor(v, dtype=torch.float64).float() for k, v in metrics.items()}
