@@ -10,6 +10,7 @@ third-party libraries a floor must not load are checked in fresh interpreters.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,45 @@ def test_a_floor_loads_no_library_above_it(module: str, third_party: set[str]) -
     code = f"import sys, {module}; print(sorted(m for m in {sorted(third_party)} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"{module} pulls in {out.stdout.strip()}"
+
+
+def contributing_layout() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """docs/contributing.md's layout: the files it names per folder (``lit_instruct``,
+    ``lit_instruct/loss``..., ``callbacks``), and its table of what each package may import."""
+    text = (ROOT / "docs" / "contributing.md").read_text(encoding="utf-8")
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    named: dict[str, set[str]] = {}
+    folder = ""
+    for line in block.splitlines():
+        head = re.match(r"^( {0,2})([\w]+)/ ", line)
+        if head:
+            folder = f"lit_instruct/{head.group(2)}" if head.group(1) else head.group(2)
+        named.setdefault(folder, set()).update(re.findall(r"\b(\w+)\.py\b", line))
+    table = text.split("| package | imports, besides the ground floor |", 1)[1].split("\n\n", 1)[0]
+    allowed: dict[str, set[str]] = {}
+    for row in table.strip().splitlines()[1:]:
+        packages, imports = (cell.strip() for cell in row.strip("|").split("|"))
+        for package in re.findall(r"`(\w+)`", packages):
+            allowed[f"lit_instruct.{package}"] = {
+                f"lit_instruct.{name}" for name in re.findall(r"`(\w+)`", imports)
+            }
+    return named, allowed
+
+
+def test_the_contributing_layout_is_the_package() -> None:
+    """Every module is named in its folder's entry and every named module exists; the import table
+    is :data:`MAY_IMPORT` (cli and callbacks: any)."""
+    named, allowed = contributing_layout()
+    for folder in [
+        "lit_instruct",
+        *(f"lit_instruct/{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").exists()),
+        "callbacks",
+    ]:
+        files = {path.stem for path in (ROOT / folder).glob("*.py")} - {"__init__"}
+        if folder == "lit_instruct":
+            files |= {"__init__"}  # the top-level entry names its __init__ and __main__
+        listed = named.get(folder, set()) - ({"__init__"} if folder != "lit_instruct" else set())
+        assert listed == files, (folder, sorted(files - listed), sorted(listed - files))
+    allowed.pop("lit_instruct.cli", None)
+    allowed.pop("lit_instruct.callbacks", None)
+    assert allowed == MAY_IMPORT

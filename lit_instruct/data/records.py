@@ -51,7 +51,9 @@ SHAREGPT_ROLES = {
 """ShareGPT's ``from`` values and the roles they are."""
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 """Where assistant turns keep their reasoning; templates are given it under the first two names."""
-PAIRS_HINT = "SFT trains on demonstrations; preference pairs train with model.preference: configs/dpo.yaml"
+PAIRS_HINT = (
+    "SFT trains on demonstrations; preference pairs train with model.objective: dpo (configs/dpo.yaml)"
+)
 
 
 def is_pair(raw: Any) -> bool:

@@ -100,14 +100,15 @@ def plan_text(plan: ModelPlan, settings: Mapping[str, Any], samples: int | None,
     memory = estimate_memory(plan, settings)
     steps = optimizer_steps(samples, settings) if samples is not None else settings.get("trainer.max_steps")
     pairs = rows_per_item(settings) == 2
+    items = "answers" if settings.get("data.batch_kind") == "unpaired" else "pairs"  # KTO: each with a KL row
     batch_size, length = settings.get("data.batch_size", 8), settings.get("data.max_seq_len")
     if samples is None:
         data = "streamed"
     else:
-        data = f"{samples:,} pairs ({2 * samples:,} rows)" if pairs else f"{samples:,} samples"
+        data = f"{samples:,} {items} ({2 * samples:,} rows)" if pairs else f"{samples:,} samples"
         data += f", {tokens:,} tokens"
     rows = (
-        f"{2 * batch_size} x {length} batch ({batch_size} pairs)"
+        f"{2 * batch_size} x {length} batch ({batch_size} {items})"
         if pairs
         else f"{batch_size} x {length} batch"
     )
