@@ -900,7 +900,7 @@ def _main(argv: list[str] | None) -> None:
     if command[0] in LIGHTNING_COMMANDS and HELP_ALL in command:
         command = ["--help" if arg == HELP_ALL else arg for arg in command]
     elif command[0] in LIGHTNING_COMMANDS and {"-h", "--help"} & set(command):
-        sys.stdout.write(short_help(command[0], get_args(PreferenceKind)))
+        sys.stdout.write(short_help(command[0], tuple(OBJECTIVES)))
         return
     if not sys.stderr.isatty():  # a log file: a bar's carriage returns become one long line
         quiet_progress_bars()

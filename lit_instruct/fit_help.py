@@ -26,7 +26,7 @@ SETTINGS = (
     ("--model.quantization.method nf4", "QLoRA: the base in 4-bit NF4 (configs/qlora.yaml)"),
     ("--model.adapter DIR", "continue from a PEFT adapter"),
     ("--model.adapter_dir DIR", "where the adapter goes (default: the run's folder/adapter)"),
-    ("--model.preference.kind K", "{kinds}, with configs/dpo.yaml"),
+    ("--model.objective NAME", "{kinds} (docs/objectives.md)"),
     ("--data.train_files [A,B]", "training files, any format (docs/data.md)"),
     ("--data.max_seq_len N", "tokens per sample; longer ones are truncated (counted)"),
     ("--data.batch_size N", "samples (pairs) per batch"),
@@ -36,7 +36,7 @@ SETTINGS = (
 
 
 def short_help(command: str, kinds: tuple[str, ...]) -> str:
-    """The help text of ``lit-instruct fit`` or ``validate``; ``kinds``: the preference losses."""
+    """The help text of ``lit-instruct fit`` or ``validate``; ``kinds``: the objectives' short names."""
     shown = [
         (flag, what.format(kinds=", ".join(kinds)))
         for flag, what in SETTINGS
@@ -53,7 +53,7 @@ def short_help(command: str, kinds: tuple[str, ...]) -> str:
         f"usage: lit-instruct {command} --config X.yaml [--config Y.yaml ...] "
         "[--SECTION.SETTING VALUE ...]\n\n"
         "The config's trainer, model and data; a setting given later (a file or the command line) wins.\n\n"
-        "  --config X.yaml          configs/quickstart.yaml, lora, qlora, dora, dpo, ddp, fsdp, "
+        "  --config X.yaml          configs/quickstart.yaml, lora, qlora, dpo, kto, ddp, fsdp, "
         "mixture, ...\n"
         "  --print_config           print the whole config as it would run (every setting, resolved)\n"
         f"  --ckpt_path last|FILE    {resume}\n"

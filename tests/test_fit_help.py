@@ -46,8 +46,8 @@ def test_the_help_is_one_screen_pointing_at_the_config_reference(command: str, c
     assert text.startswith(f"usage: lit-instruct {command} --config X.yaml")
     assert len(text.splitlines()) <= 40 and max(len(line) for line in text.splitlines()) <= 100
     assert "docs/config.md" in text and f"lit-instruct {command} --help-all" in text
-    kinds = "dpo, ipo, simpo, orpo"
-    assert "--model.preference.kind K" in text and kinds in text
+    kinds = "sft, dpo, ipo, simpo, orpo, kto"
+    assert "--model.objective NAME" in text and kinds in text
     assert ("--trainer.max_steps" in text) is (command == "fit")  # validate takes no steps
 
 

@@ -18,6 +18,7 @@ from tests.helpers import checked_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DPO_CONFIG, QUICKSTART = str(ROOT / "configs" / "dpo.yaml"), str(ROOT / "configs" / "quickstart.yaml")
+KTO_CONFIG = str(ROOT / "configs" / "kto.yaml")
 SFT_CONFIG = [QUICKSTART, "--data.chatterbot_categories", "null", "--data.train_files", "[pairs.jsonl]"]
 """The quickstart on a file (the chatterbot corpus holds no pairs)."""
 
@@ -35,7 +36,9 @@ SFT_CONFIG = [QUICKSTART, "--data.chatterbot_categories", "null", "--data.train_
             "pairs",
         ),
         (["--config", *SFT_CONFIG, "--model.objective", "lit_instruct.objectives.ORPO"], "pairs"),
-        (["--config", DPO_CONFIG, "--model.preference", "null"], "conversations"),
+        (["--config", DPO_CONFIG, "--model.objective", "null"], "conversations"),
+        (["--config", KTO_CONFIG], "unpaired"),
+        (["--config", *SFT_CONFIG, "--model.preference", "{kind: orpo}"], "pairs"),
         (["--config", *SFT_CONFIG, "--model.objective", "dpo", "--model.objective", "sft"], "conversations"),
     ],
 )
@@ -77,4 +80,4 @@ def test_the_short_config_flag_gives_a_pair_run(capsys) -> None:
         main(["fit", "-c", DPO_CONFIG, "--print_config"])
     assert stop.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)  # the config as given (links are applied after)
-    assert printed["model"]["preference"]["kind"] == "dpo"
+    assert printed["model"]["objective"]["class_path"].endswith("DPO")

@@ -120,13 +120,8 @@ def test_held_out_pairs_are_whole_prompts():
 
 
 def test_a_format_other_than_auto_is_refused(tmp_path):
-    data = InstructDataModule(
-        batch_kind="pairs", train_files=[str(tmp_path / "p.jsonl")], format="chat", cache=False
-    )
-    with pytest.raises(
-        ConfigError, match=r"data\.format: .*p\.jsonl: format must be auto for preference data"
-    ):
-        data.prepare_samples()
+    with pytest.raises(ConfigError, match=r"data\.format: 'chat' cannot be combined with model\.objective"):
+        InstructDataModule(batch_kind="pairs", train_files=[str(tmp_path / "p.jsonl")], format="chat")
 
 
 def _dpo_args(command: str, tiny_model_dir: Path, data: str) -> list[str]:
