@@ -2,7 +2,9 @@
 
     python tests/preference_ddp_fit.py '{"model": ..., "train": ..., "val": ..., "out": ..., "max_steps": 2}'
 
-Optional: ``strategy`` (default ``ddp_lora``), ``adapter`` (an SFT adapter to continue from; else
+Optional: ``objective`` (``dpo``, the default, or ``kto`` / ``kto-apo``: KTO, or its
+``apo_zero_unpaired`` loss, on the pairs read as unpaired answers), ``strategy`` (default
+``ddp_lora``), ``adapter`` (an SFT adapter to continue from; else
 fresh adapters with LoRA B drawn, so that the policy is not its reference), ``batch_size`` (2),
 ``nan_loss_at`` (optimizer steps, 0-based) with ``fault_rank``, ``low_memory_load``, ``ckpt_every``
 (checkpoints into ``out``), ``ckpt_path``, ``precompute_reference``; ``then_precompute``: fit again
@@ -30,8 +32,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_instruct.callbacks import SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.distributed import full_tensor
-from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.objectives import DPO, KTO, Objective
 from lit_instruct.train.module import InstructLoRAModule
 from tests.ddp_fit import free_port
 from tests.helpers import FaultyModule
@@ -81,14 +83,33 @@ class StepRecorder(L.Callback):
         if trainer.global_step == self._step:  # a micro-batch inside an accumulation window
             return
         self._step = trainer.global_step
-        names = ["loss", "pairs", *pl_module.objective.metric_names]
-        self.steps.append({name: float(trainer.callback_metrics[f"train/{name}"]) for name in names})
+        objective = pl_module.objective
+        names = [
+            "loss",
+            objective.count_name,
+            *objective.metrics(dict.fromkeys(objective.metric_names, 1.0), 1),
+        ]
+        logged = trainer.callback_metrics
+        self.steps.append(
+            {name: float(logged[f"train/{name}"]) for name in names if f"train/{name}" in logged}
+        )
         trained = ((n, p) for n, p in pl_module.named_parameters() if p.requires_grad)
         self.weights.append({n: full_tensor(p.detach()).clone() for n, p in trained})
 
     def on_validation_end(self, trainer, pl_module) -> None:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
         self.validations.append((trainer.global_step, metrics))
+
+
+def objective_of(args: dict[str, Any]) -> Objective:
+    """The objective ``args`` name: DPO (precomputing its reference or not), KTO (β 1: the KL
+    estimate moves the loss) or KTO's ``apo_zero_unpaired`` (β 0.1)."""
+    name = args.get("objective", "dpo")
+    if name == "dpo":
+        return DPO(precompute_reference=args.get("precompute_reference", False))
+    if name == "kto-apo":
+        return KTO(loss_type="apo_zero_unpaired")  # beta 0.1: gradients of DPO's size (its tolerance)
+    return KTO(beta=1.0)
 
 
 def setup(args: dict[str, Any], batch_size: int) -> tuple[InstructLoRAModule, InstructDataModule]:
@@ -104,7 +125,7 @@ def setup(args: dict[str, Any], batch_size: int) -> tuple[InstructLoRAModule, In
         low_memory_load=args.get("low_memory_load", False),
         nan_loss_at=tuple(args.get("nan_loss_at", ())),
         fault_rank=args.get("fault_rank"),
-        preference=PreferenceConfig(precompute_reference=args.get("precompute_reference", False)),
+        objective=objective_of(args),
     )
     if adapter is None:
         generator = torch.Generator().manual_seed(1)
@@ -113,7 +134,7 @@ def setup(args: dict[str, Any], batch_size: int) -> tuple[InstructLoRAModule, In
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
     data = InstructDataModule(
-        batch_kind="pairs",
+        batch_kind=module.objective.batch_kind,
         tokenizer=args["model"],
         train_files=[args["train"]],
         val_files=[args["val"]],
