@@ -192,6 +192,10 @@ def union_error(line: str) -> str:
     return f"{key.group(1)}: {inner.group(1)}"
 
 
+REWARD_SHOWN = ("val/rewards/accuracies", "val/rewards/margins")
+"""The reward metric the fit's last line shows for an objective other than SFT: the first it logs."""
+
+
 SAVED_CONFIG_HEADER = "# lightning.pytorch=="
 """How the ``config.yaml`` a fit saves begins (LightningCLI's dump header)."""
 
@@ -433,12 +437,18 @@ class InstructCLI(LightningCLI):
         if self.model.last_val_step != self.trainer.global_step:
             self._val()
         after = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
-        if "val/loss" in after and "val/ppl" not in after:  # preference training: loss over pairs
+        objective = self.model.objective
+        counted = objective.val_count_name or objective.count_name
+        if "val/loss" in after and "val/ppl" not in after:  # another objective: its loss, a reward metric
+            reward = next((k for k in REWARD_SHOWN if k in after), None)
+            change = ""
+            if reward is not None:
+                before = self.before.get(reward, float("nan"))
+                change = f", {reward} {before:.3f} -> {after[reward]:.3f}"
+            held_out = f"{int(after.get(f'val/{counted}', 0))} held-out {counted.replace('_', ' ')}"
             rank_zero_info(
-                f"lit-instruct: val/loss {self.before['val/loss']:.4f} -> {after['val/loss']:.4f}, "
-                f"val/rewards/accuracies {self.before.get('val/rewards/accuracies', float('nan')):.3f} -> "
-                f"{after.get('val/rewards/accuracies', float('nan')):.3f} over {int(after['val/pairs'])} "
-                f"held-out pairs, after {self.trainer.global_step} steps"
+                f"lit-instruct: val/loss {self.before['val/loss']:.4f} -> {after['val/loss']:.4f}{change} "
+                f"over {held_out}, after {self.trainer.global_step} steps"
             )
         elif "val/loss" in after:
             rank_zero_info(

@@ -44,11 +44,13 @@ class TrainingCard:
     sources: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     preference: Mapping[str, Any] | None = None
+    loss_on: str | None = None
+    """What the loss was computed on (default: response tokens for SFT, else preference pairs)."""
 
     def text(self) -> str:
         """The card as Markdown with the Hub's front matter."""
         base = portable_name(self.base)
-        loss = "response tokens only" if self.objective == "sft" else "preference pairs"
+        loss = self.loss_on or ("response tokens only" if self.objective == "sft" else "preference pairs")
         lines = [
             "---",
             f"base_model: {base}",

@@ -8,6 +8,7 @@ the loss) and ``apo_zero_unpaired``, and for a batch of desirable answers only."
 
 from __future__ import annotations
 
+import csv
 import json
 import warnings
 from pathlib import Path
@@ -23,7 +24,8 @@ from lit_instruct.objectives import KTO
 from lit_instruct.train.module import InstructLoRAModule
 from tests.test_preference_loss import _load, _lora_grads, _perturb_lora
 
-SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "preference_sample.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "examples" / "data" / "preference_sample.jsonl"
 PAIRS = (11, 12, 16)  # lines of SAMPLE: short rows, answers of 2 to 9 tokens (as the DPO test's)
 SCALE = 0.02
 TARGETS = ["q_proj", "v_proj"]
@@ -191,3 +193,38 @@ def test_kto_settings_are_checked_before_weights(tiny_model_dir) -> None:
         InstructDataModule(
             batch_kind="unpaired", tokenizer=str(tiny_model_dir), train_files=["x"], batch_size=1
         )
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_kto_config_trains_and_its_held_out_margin_rises(
+    smollm2_path, tmp_path, monkeypatch, capsys
+) -> None:
+    """``lit-instruct fit --config configs/kto.yaml`` (10 steps): the held-out answers' reward margin
+    rises from 0 (the policy is its reference before training) and their loss falls from 0.5."""
+    from lit_instruct.cli import main
+
+    monkeypatch.chdir(ROOT)  # the config names its data relative to the repository
+    csv_logger = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(tmp_path), "name": ""},
+    }
+    args = ["fit", "--config", "configs/kto.yaml", "--trainer.logger", json.dumps(csv_logger)]
+    args += [
+        "--trainer.max_steps",
+        "10",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.callbacks",
+        "null",
+    ]
+    args += ["--trainer.enable_progress_bar", "false", "--model.adapter_dir", str(tmp_path / "adapter")]
+    main(args)
+    with open(tmp_path / "version_0" / "metrics.csv", encoding="utf-8") as rows:
+        validated = [row for row in csv.DictReader(rows) if row.get("val/loss")]
+    before, after = validated[0], validated[-1]
+    assert float(before["val/loss"]) == pytest.approx(0.5) and float(before["val/rewards/margins"]) == 0.0
+    assert float(after["val/rewards/margins"]) > 0.2 and float(after["val/loss"]) < 0.48
+    assert float(after["val/answers"]) == 10
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert "kto" in card

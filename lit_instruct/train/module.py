@@ -65,6 +65,13 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> A
     return factor
 
 
+LOSS_ON = {
+    "conversations": "response tokens only",
+    "pairs": "preference pairs",
+    "unpaired": "answers labelled desirable or not",
+}
+"""What the model card says the loss was computed on, by the objective's batch kind."""
+
 EVA_RANKS_KEY = "eva_ranks"
 """Checkpoint entry of the ranks EVA's data pass gave each adapted layer (a resume rebuilds with them)."""
 
@@ -674,4 +681,7 @@ class InstructLoRAModule(L.LightningModule):
                 metrics[name] = float(value)
         steps = trainer.global_step if trainer is not None else 0
         lora = self.hparams["lora"]
-        return TrainingCard(self.hparams["model"], objective, lora, steps, sources, metrics, preference)
+        loss_on = LOSS_ON.get(self.objective.batch_kind)
+        return TrainingCard(
+            self.hparams["model"], objective, lora, steps, sources, metrics, preference, loss_on
+        )
