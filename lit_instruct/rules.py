@@ -281,6 +281,13 @@ CONFLICTS: tuple[Conflict, ...] = (
         ("per_turn", "pairs"),
     ),
     Conflict(
+        "data.batch_size",
+        "data.batch_kind",
+        lambda size, kind: kind == "unpaired" and isinstance(size, int) and size < 2,
+        "KTO's KL estimate pairs each prompt with another answer of its batch: 2 answers or more",
+        (1, "unpaired"),
+    ),
+    Conflict(
         "data.format",
         "data.batch_kind",
         lambda record_format, kind: record_format not in (None, "auto") and kind != "conversations",

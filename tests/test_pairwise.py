@@ -33,7 +33,8 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.render import Sample
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.preflight import check_config, config_settings
+from lit_instruct.objectives import OBJECTIVES
+from lit_instruct.preflight import OBJECTIVE_CHECKED, check_config, config_settings
 from lit_instruct.rules import flatten, refuse_conflicts
 from lit_instruct.train.module import InstructLoRAModule
 from tests.allpairs import all_pairs
@@ -63,7 +64,10 @@ FACTORS: dict[str, list[Any]] = {
     "new_tokens": [None, ["<|fact|>"]],
     "precision": ["32-true", "bf16-mixed"],  # bf16: the base stored in bf16 (model.dtype: auto)
     "checkpointing": [False, True],
+    "objective": ["sft", "dpo", "kto"],  # conversations, pairs, unpaired answers with their KL rows
 }
+BETA = 0.1
+"""The pair objectives' β (their defaults)."""
 BF16_LOSS = 2e-2
 """The step's loss under bf16 vs the model's own under the same autocast: both round every GEMM to
 8 mantissa bits, in different places (the fused loss and LoRA layers vs peft's and the model's)."""
@@ -97,8 +101,15 @@ def record(chat: list[tuple[str, str]], fmt: str) -> dict[str, Any]:
     return {"prompt": user, "completion": answer}
 
 
+def pair_record(chat: list[tuple[str, str]], other: list[tuple[str, str]]) -> dict[str, Any]:
+    """A pair: ``chat``'s last question, its answer chosen, ``other``'s answer rejected."""
+    user = [c for r, c in chat if r == "user"][-1]
+    return {"prompt": user, "chosen": chat[-1][1], "rejected": other[-1][1]}
+
+
 def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, Any]:
-    """The ``fit`` config (as LightningCLI parses it) of ``case``."""
+    """The ``fit`` config (as LightningCLI parses it) of ``case`` (its data: the pairs file for an
+    objective on pairs or answers; the CLI links ``data.batch_kind`` from ``model.objective``)."""
     targets, layers = case["targets"]
     multi_turn, train_on = case["turns"]
     lora: dict[str, Any] = {"r": R, "alpha": 8.0, "target_modules": targets.split(","), "init": case["init"]}
@@ -118,6 +129,7 @@ def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, A
             "packing": case["packing"],
             "learning_rate": 1e-3,
             "warmup_steps": 0,
+            "objective": case["objective"],
         },
         "data": {
             "tokenizer": model,
@@ -131,6 +143,7 @@ def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, A
             "batch_size": 3,
             "val_fraction": 0.0,
             "cache": False,
+            "batch_kind": OBJECTIVES[case["objective"]].batch_kind,
         },
         "trainer": {
             "strategy": case["strategy"],
@@ -156,8 +169,11 @@ def statically_accepted(case: dict[str, Any]) -> bool:
     structure refuses."""
     if refused_by_structure(case):
         return False
+    settings = flatten(settings_of(case, "m", "d"))
     try:
-        refuse_conflicts(flatten(settings_of(case, "m", "d")))
+        refuse_conflicts(settings)
+        model = {name: settings[f"model.{name}"] for name in OBJECTIVE_CHECKED if f"model.{name}" in settings}
+        OBJECTIVES[case["objective"]]().check(model)
     except ConfigError:
         return False
     return True
@@ -184,6 +200,7 @@ def case_id(case: dict[str, Any]) -> str:
     parts += [f"layers{layers}" if layers else "", str(case["variant"] or ""), case["strategy"]]
     parts += [f"accum{case['accumulation']}", "newtok" if case["new_tokens"] else ""]
     parts += ["bf16" if case["precision"] == "bf16-mixed" else "", "gc" if case["checkpointing"] else ""]
+    parts += [case["objective"] if case["objective"] != "sft" else ""]
     return "/".join(p for p in parts if p)
 
 
@@ -205,13 +222,58 @@ def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for fmt in FACTORS["format"]:
         files[fmt] = folder / f"{fmt}.jsonl"
         files[fmt].write_text("".join(json.dumps(record(chat, fmt)) + "\n" for chat in CHATS * 2))
+    files["pairs"] = folder / "pairs.jsonl"
+    pairs = [pair_record(chat, CHATS[(k + 1) % len(CHATS)]) for k, chat in enumerate(CHATS)]
+    files["pairs"].write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
     return files
 
 
-class StepReference(L.Callback):
-    """The model's own loss on each micro-batch of the first optimizer step, before that step."""
+def sequence_logps(model: Any, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled tokens, from the model's own full logits."""
+    logits = model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"], use_cache=False).logits
+    labels = rows["labels"][:, 1:]
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logps.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    return (picked * (labels != IGNORE_INDEX)).sum(dim=1)
 
-    def __init__(self, precision: str) -> None:
+
+def policy_and_reference(module: Any, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' summed log-probabilities under the policy and under the reference (the adapter off,
+    eval mode), from the model's own forward."""
+    policy = sequence_logps(module.model, rows)
+    was_training = module.model.training
+    module.model.eval()
+    with module.model.disable_adapter():
+        reference = sequence_logps(module.model, rows)
+    module.model.train(was_training)
+    return policy, reference
+
+
+def pair_objective_losses(objective: str, module: Any, batch: dict[str, Any]) -> tuple[float, int]:
+    """DPO's (sigmoid) or KTO's summed loss over a batch and its pairs (answers), from the model's
+    own forward: TRL's formulas, written out here."""
+    rows = {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}
+    policy, reference = policy_and_reference(module, rows)
+    ratios = policy - reference
+    if objective == "dpo":
+        n = len(ratios) // 2
+        losses = -torch.nn.functional.logsigmoid(BETA * (ratios[:n] - ratios[n:]))
+        return float(losses.sum()), n
+    n = len(batch["desirable"])
+    kl = ratios[n:].mean().clamp(min=0)
+    desirable = batch["desirable"]
+    losses = torch.where(
+        desirable, 1 - torch.sigmoid(BETA * (ratios[:n] - kl)), 1 - torch.sigmoid(BETA * (kl - ratios[:n]))
+    )
+    return float(losses.sum()), n
+
+
+class StepReference(L.Callback):
+    """The model's own loss on each micro-batch of the first optimizer step, before that step (the
+    pair objectives: their formulas on the model's own log-probabilities)."""
+
+    def __init__(self, precision: str, objective: str = "sft") -> None:
+        self.objective = objective
         self.precision = precision
         self.sums: list[float] = []
         self.counts: list[int] = []
@@ -225,6 +287,11 @@ class StepReference(L.Callback):
         self.packed.append("packed_segments" in batch)
         bf16 = self.precision == "bf16-mixed"
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            if self.objective != "sft":
+                loss_sum, count = pair_objective_losses(self.objective, module, batch)
+                self.sums.append(loss_sum)
+                self.counts.append(count)
+                return
             for sample_batch in _alone(batch):
                 count = int((sample_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
                 if count:
@@ -317,7 +384,8 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
     case: dict[str, Any], family_dirs: dict[str, Path], data_files: dict[str, Path], tmp_path: Path
 ) -> None:
     model = str(family_dirs[case["family"]])
-    config = settings_of(case, model, str(data_files[case["format"]]))
+    data_file = data_files[case["format"] if case["objective"] == "sft" else "pairs"]
+    config = settings_of(case, model, str(data_file))
     settings = config_settings(config)
     expected_refusal = not statically_accepted(case)
     try:
@@ -334,7 +402,7 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
     L.seed_everything(0)
     data = InstructDataModule(**config["data"])
     module = InstructLoRAModule(**config["model"], added_tokens=data.new_token_list())
-    reference = StepReference(case["precision"])
+    reference = StepReference(case["precision"], case["objective"])
     run = trainer(
         tmp_path,
         max_steps=1,

@@ -294,3 +294,15 @@ def test_fit_with_the_dpo_config_writes_reward_metrics_and_an_adapter(
             logged = [row[f"{split}/{name}"] for row in history if f"{split}/{name}" in row]
             expected = [float(row[f"{split}/{name}"]) for row in rows]
             assert logged == pytest.approx(expected, rel=1e-6), f"{split}/{name}"
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"kind": "simpo", "use_weighting": True}, "use_weighting: applies to dpo and ipo"),
+        ({"loss_type": ["aot"], "use_weighting": True}, "use_weighting: cannot weigh loss_type: aot"),
+    ],
+)
+def test_wpo_weighting_is_refused_where_trl_has_none(settings, message) -> None:
+    with pytest.raises(ConfigError, match=rf"model\.preference\.{message}"):
+        PreferenceConfig(**settings).loss()

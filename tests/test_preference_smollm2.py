@@ -5,7 +5,9 @@ Pairs of ``examples/data/preference_sample.jsonl`` rendered and batched by our
 token ids in their layouts, with the same LoRA weights. The loss, TRL's reward metrics and the LoRA
 gradients after one backward of :class:`InstructLoRAModule`'s step must equal theirs (fp32, the
 tolerance of the tiny-model tests in ``tests/test_preference_loss.py``, where every other DPO loss
-type is compared). Also through the module: MPO's weighted loss types (the sft term) and LD-DPO's
+type is compared). Also through the module: MPO's weighted loss types (the sft term), WPO's
+weighting (``use_weighting``: each pair's loss times its answers' weights, from the squared norms of
+the predicted distributions, which TRL's fused head computes from full logits) and LD-DPO's
 ``ld_alpha`` with ``reference_free`` (the weighted sums taken in the module, no reference pass; TRL:
 a precomputed reference of zeros). Step 0 on SmolLM2 is ln 2
 with zero rewards, fresh (the fused LoRA layers) and from an SFT adapter.
@@ -138,6 +140,12 @@ CASES = {  # TRL's trainer, LoRA targets, its config, ours
         dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], beta=0.1),
         {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
     ),
+    "wpo": (
+        "dpo",
+        ["q_proj", "v_proj"],
+        dict(loss_type=["sigmoid", "sft"], beta=0.1, use_weighting=True),
+        {"loss_type": ["sigmoid", "sft"], "use_weighting": True},
+    ),
     "ld-dpo-reference-free": (
         "dpo",
         ["q_proj", "v_proj"],
@@ -145,7 +153,7 @@ CASES = {  # TRL's trainer, LoRA targets, its config, ours
         {"ld_alpha": 0.5, "reference_free": True},
     ),
 }
-SLOW = {"mpo", "ld-dpo-reference-free"}  # the other DPO loss types: on the tiny model only
+SLOW = {"mpo", "wpo", "ld-dpo-reference-free"}  # the other DPO loss types: on the tiny model only
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])

@@ -71,19 +71,11 @@ class UnpairedBatches(PairBatches):
     """Answers (``prompt``/``completion``/``label``, or pairs unpaired) batched as ``[answers; KL rows]``:
     ``2 * batch_size`` rows (:class:`~lit_instruct.data.unpaired.UnpairedCollator`). Over
     ``max_seq_len`` an answer keeps its start (``on_long_sample``: ``truncate``, ``drop`` or ``raise``).
-    ``batch_size`` must be 2 or more: the KL rows pair each prompt with another answer of its batch."""
+    ``batch_size`` must be 2 or more (the rules table): the KL rows pair each prompt with another
+    answer of its batch."""
 
     renderer_class = UnpairedRenderer
     store_class = AnswerStore
-
-    def __init__(self, data: Any) -> None:
-        super().__init__(data)
-        if data.batch_size < 2:
-            raise ConfigError(
-                "data.batch_size",
-                f"must be 2 or more for unpaired answers (KTO's KL estimate pairs each prompt with another "
-                f"answer of its batch), got {data.batch_size}",
-            )
 
     def read(self, source: DataSource, rejects: Rejects, counts: Counter[str]) -> list[Any]:
         return _read_answers(source, rejects, counts)

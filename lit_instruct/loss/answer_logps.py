@@ -104,6 +104,53 @@ def answer_token_logps(
     return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
 
 
+def _chunk_log_sum_squares(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+) -> torch.Tensor:
+    """``log Σ_v softmax(transform(hidden @ weight.T + bias))[row, v]²`` for one chunk, in fp32."""
+    logits = transform(F.linear(hidden, weight, bias).float())
+    return torch.logsumexp(2 * logits, dim=1) - 2 * torch.logsumexp(logits, dim=1)
+
+
+@torch.no_grad()
+def answer_token_log_sum_squares(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Each labelled position's ``log Σ_v p(v)²`` (the log of its predicted distribution's squared
+    norm), ``(n,)`` fp32 in :func:`answer_token_logps`' order, chunked as it is, without gradient:
+    what WPO's weights divide the token probabilities by (TRL's ``log_sum_sq_probs``)."""
+    flat = labels.reshape(-1) != ignore_index
+    rows = hidden.reshape(-1, hidden.shape[-1])[flat]
+    chunk = chunk_size or default_chunk_size(weight.shape[0], buffers=CHUNK_BUFFERS)
+    pieces = [
+        _chunk_log_sum_squares(rows[start : start + chunk], weight, bias, transform)
+        for start in range(0, len(rows), chunk)
+    ]
+    return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
+
+
+def wpo_weights(
+    per_token: torch.Tensor,
+    log_sum_squares: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """WPO's weight of each sequence, ``(B,)``: ``exp`` of the mean over its labelled tokens of
+    ``log p(token) - log Σ_v p(v)²`` (Eq. 2 of the WPO paper, as TRL's ``use_weighting``), detached."""
+    aligned = sequence_sums(per_token.detach() - log_sum_squares, labels, ignore_index=ignore_index)
+    return torch.exp(aligned / answer_token_counts(labels, ignore_index).clamp(min=1))
+
+
 def sequence_sums(
     per_token: torch.Tensor,
     labels: torch.Tensor,
@@ -148,6 +195,8 @@ class PairLogps:
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
     chosen_plain: torch.Tensor | None = None
+    pair_weights: torch.Tensor | None = None
+    """WPO's weight of each pair (the product of its answers' weights), when asked for."""
 
     @classmethod
     def from_batch(
@@ -185,12 +234,14 @@ class PairLogps:
     def select(self, keep: torch.Tensor) -> PairLogps:
         """The pairs where ``keep`` (a ``(P,)`` mask) is true."""
         plain = None if self.chosen_plain is None else self.chosen_plain[keep]
+        weights = None if self.pair_weights is None else self.pair_weights[keep]
         return PairLogps(
             self.chosen[keep],
             self.rejected[keep],
             self.chosen_tokens[keep],
             self.rejected_tokens[keep],
             plain,
+            weights,
         )
 
     def zeros(self) -> PairLogps:

@@ -95,6 +95,7 @@ class PreferenceLoss:
     f_alpha_divergence_coef: float = 0.5
     discopop_tau: float = 0.05
     reference_free: bool = False
+    use_weighting: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.loss_type, str):
@@ -178,6 +179,17 @@ class PreferenceLoss:
             )
         if not self.discopop_tau > 0:
             raise SettingError("discopop_tau", f"must be > 0, got {self.discopop_tau}")
+        if self.use_weighting and self.kind not in NEEDS_REFERENCE:
+            raise SettingError(
+                "use_weighting", f"applies to dpo and ipo (TRL's DPOTrainer), not kind: {self.kind}"
+            )
+        sorting = [name for name in self.loss_types if name in ("aot", "aot_unpaired")]
+        if self.use_weighting and sorting:
+            raise SettingError(
+                "use_weighting",
+                f"cannot weigh loss_type: {sorting[0]}: it sorts the batch's pairs, which would misalign "
+                "each pair's weight (TRL refuses it too)",
+            )
 
     @property
     def loss_types(self) -> tuple[str, ...]:
@@ -215,8 +227,12 @@ class PreferenceLoss:
         policy: PairLogps,
         reference: PairLogps | None = None,
         chosen_nll: torch.Tensor | None = None,
+        pair_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The batch's loss (mean over pairs, plus the NLL terms) and its per-pair metrics.
+
+        ``pair_weights`` (``(P,)``, no gradient): WPO's weights (``use_weighting``), each loss type's
+        per-pair loss multiplied by them before its mean, as TRL's ``DPOTrainer`` does.
 
         ``chosen_nll`` overrides the NLL term (default: :meth:`PairLogps.chosen_nll`, over the
         chosen answers' tokens; TRL's ORPO takes it over the whole chosen sequence, prompt included).
@@ -235,7 +251,10 @@ class PreferenceLoss:
             ratios = LogRatios(chosen, rejected, *scores, policy, reference, nll)
             loss: torch.Tensor | float = 0.0
             for name, weight in zip(self.loss_types, self.weights, strict=True):
-                loss = loss + DPO_LOSSES[name](ratios, self).mean() * weight
+                per_pair = DPO_LOSSES[name](ratios, self)
+                if pair_weights is not None:
+                    per_pair = per_pair * pair_weights
+                loss = loss + per_pair.mean() * weight
             assert isinstance(loss, torch.Tensor)
         elif self.kind == "simpo":
             chosen, rejected = policy.mean_chosen(), policy.mean_rejected()
@@ -327,6 +346,9 @@ class PreferenceConfig:
     """DiscoPOP's temperature τ (``loss_type: discopop``)."""
     reference_free: bool = False
     """DPO, IPO: the reference's log-probabilities taken as 0 (no reference pass)."""
+    use_weighting: bool = False
+    """DPO, IPO: WPO's weighting: each pair's loss times the product of its answers' weights,
+    ``exp`` of the mean over an answer's tokens of ``log p(token) - log Σ_v p(v)²`` (no gradient)."""
     precompute_reference: bool = False
     """DPO/IPO: the reference's log-probabilities of every pair computed once before the first step
     (and before validation) and carried by the batches, so that a step runs the policy alone. In

@@ -18,6 +18,7 @@ sorts a device's batch).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
@@ -30,7 +31,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_instruct.batch import BatchKind, num_response_tokens
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.loss.answer_logps import PairLogps, answer_token_logps
+from lit_instruct.loss.answer_logps import (
+    PairLogps,
+    answer_token_log_sum_squares,
+    answer_token_logps,
+    wpo_weights,
+)
 from lit_instruct.loss.preference import FDivergence, PreferenceConfig, PreferenceKind
 from lit_instruct.objectives.base import Objective, ObjectiveSums, Policy, init_parameters, metric_sums
 
@@ -39,18 +45,27 @@ GROUP = "model.objective.init_args"
 
 
 def answer_logps_of(
-    policy: Policy, batch: dict[str, Any], hidden: torch.Tensor, ld_alpha: float | None
+    policy: Policy,
+    batch: dict[str, Any],
+    hidden: torch.Tensor,
+    ld_alpha: float | None,
+    weighting: bool = False,
 ) -> PairLogps:
     """Each answer's summed log-probability from the trunk's ``hidden``; with ``ld_alpha``, LD-DPO's
-    weighted sums."""
+    weighted sums; with ``weighting``, each pair's WPO weight too (``PairLogps.pair_weights``)."""
     if "packed_segments" in batch:
         raise ValueError("preference batches are padded rows, not packed")
     labels = batch["labels"][:, 1:]  # position p predicts p + 1
     weight, bias = policy.output_weights()
-    per_token = answer_token_logps(
-        hidden[:, :-1], weight, labels, bias=bias, transform=policy.logit_transform
-    )
-    return PairLogps.from_tokens(per_token, labels, ld_alpha)
+    transform = policy.logit_transform
+    per_token = answer_token_logps(hidden[:, :-1], weight, labels, bias=bias, transform=transform)
+    logps = PairLogps.from_tokens(per_token, labels, ld_alpha)
+    if not weighting:
+        return logps
+    rows = hidden[:, :-1].detach()
+    squares = answer_token_log_sum_squares(rows, weight, labels, bias=bias, transform=transform)
+    chosen, rejected = wpo_weights(per_token, squares, labels).chunk(2)
+    return dataclasses.replace(logps, pair_weights=chosen * rejected)
 
 
 def refuse_outside_pairs(objective: Objective, settings: Mapping[str, Any]) -> None:
@@ -108,7 +123,7 @@ class PairObjective(Objective):
             with torch.no_grad(), policy.reference_model():
                 reference = answer_logps_of(policy, batch, policy.trunk(batch)[0], loss.ld_alpha)
         hidden, aux = policy.trunk(batch)
-        policy_logps = answer_logps_of(policy, batch, hidden, loss.ld_alpha)
+        policy_logps = answer_logps_of(policy, batch, hidden, loss.ld_alpha, loss.use_weighting)
         if cached is not None:  # precompute_reference: only for losses with a reference
             sums = cached.to(policy_logps.chosen.device, torch.float32)
             tokens = torch.cat([policy_logps.chosen_tokens, policy_logps.rejected_tokens])
@@ -125,7 +140,7 @@ class PairObjective(Objective):
             keep = keep.to(policy_logps.chosen.device)
             policy_logps = policy_logps.select(keep)
             reference = reference.select(keep) if reference is not None else None
-        mean_loss, metrics = loss(policy_logps, reference)
+        mean_loss, metrics = loss(policy_logps, reference, pair_weights=policy_logps.pair_weights)
         sums = metric_sums(metrics, self.metric_names)
         return ObjectiveSums(mean_loss * counted, counted, sums, num_response_tokens(batch), aux)
 
@@ -191,8 +206,10 @@ class DPO(PairObjective):
         discopop_tau: float = 0.05,
         reference_free: bool = False,
         precompute_reference: bool = False,
+        use_weighting: bool = False,
     ) -> None:
         super().__init__(
+            use_weighting=use_weighting,
             beta=beta,
             loss_type=loss_type,
             loss_weights=loss_weights,
@@ -220,8 +237,10 @@ class IPO(PairObjective):
         ld_alpha: float | None = None,
         reference_free: bool = False,
         precompute_reference: bool = False,
+        use_weighting: bool = False,
     ) -> None:
         super().__init__(
+            use_weighting=use_weighting,
             beta=beta,
             rpo_alpha=rpo_alpha,
             ld_alpha=ld_alpha,

@@ -33,4 +33,4 @@ class SFT(Objective):
         return ObjectiveSums(loss_sum, count, answer_tokens=count, aux=aux)
 
     def validation_metrics(self, loss: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"ppl": loss.exp()}
+        return {"ppl": loss.float().exp()}  # of the fp32 mean: the value logged as val/loss

@@ -66,7 +66,8 @@ class StepWindow:
         self._reset()
 
     def _reset(self) -> None:
-        self._sums: torch.Tensor | None = None  # loss sum, then each metric's sum
+        self._loss_sum: torch.Tensor | None = None  # in the loss's fp32, as summed before the objectives
+        self._sums: torch.Tensor | None = None  # each metric's sum, fp64
         self._counts = [0, 0, 0]  # count, tokens, answer tokens
 
     def add(
@@ -79,11 +80,12 @@ class StepWindow:
     ) -> None:
         """One micro-batch: its summed loss (detached here), its count, its tokens and labelled
         tokens, and its metrics' sums (in ``names``' order)."""
-        sums = loss_sum.detach().double().reshape(1)
+        loss = loss_sum.detach().float()
+        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         if self.names:
-            extra = metric_sums if metric_sums is not None else sums.new_zeros(len(self.names))
-            sums = torch.cat([sums, extra.detach().double().to(sums.device)])
-        self._sums = sums if self._sums is None else self._sums + sums
+            sums = metric_sums if metric_sums is not None else loss.new_zeros(len(self.names))
+            sums = sums.detach().double().to(loss.device)
+            self._sums = sums if self._sums is None else self._sums + sums
         self._counts = [a + b for a, b in zip(self._counts, (count, tokens, answer_tokens), strict=True)]
 
     def close(
@@ -93,8 +95,10 @@ class StepWindow:
         it, with or without micro-batches); the window starts empty again."""
         packed = torch.zeros(4 + len(self.names), dtype=torch.float64, device=device)
         packed[:3] = torch.tensor(self._counts, dtype=torch.float64)
+        if self._loss_sum is not None:
+            packed[3] = self._loss_sum.to(device)
         if self._sums is not None:
-            packed[3:] = self._sums.to(device)
+            packed[4:] = self._sums.to(device)
         values = all_reduce_sum(packed).tolist()
         self._reset()
         metrics = dict(zip(self.names, values[4:], strict=True))
