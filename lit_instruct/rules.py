@@ -245,6 +245,14 @@ CONFLICTS: tuple[Conflict, ...] = (
         ({"class_path": "lit_instruct.train.strategy.LoRAFSDPStrategy", "init_args": {"hybrid": True}}, 1),
     ),
     Conflict(
+        "model.neftune_noise_alpha",
+        "data.packing",
+        lambda alpha, packing: alpha is not None and bool(packing),
+        "NEFTune's noise scale is alpha / sqrt(row length x hidden): on a packed row it would take the "
+        "whole row's length, not each sample's, and every sample would get less noise than unpacked",
+        (5.0, True),
+    ),
+    Conflict(
         "data.packing",
         "data.batch_kind",
         lambda packing, kind: bool(packing) and kind != "conversations",

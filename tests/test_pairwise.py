@@ -65,6 +65,7 @@ FACTORS: dict[str, list[Any]] = {
     "precision": ["32-true", "bf16-mixed"],  # bf16: the base stored in bf16 (model.dtype: auto)
     "checkpointing": [False, True],
     "objective": ["sft", "dpo", "kto"],  # conversations, pairs, unpaired answers with their KL rows
+    "neftune": [None, 5.0],  # NEFTune's alpha (SFT only): the reference draws the step's own noise
 }
 BETA = 0.1
 """The pair objectives' β (their defaults)."""
@@ -130,6 +131,7 @@ def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, A
             "learning_rate": 1e-3,
             "warmup_steps": 0,
             "objective": case["objective"],
+            "neftune_noise_alpha": case["neftune"],
         },
         "data": {
             "tokenizer": model,
@@ -200,7 +202,7 @@ def case_id(case: dict[str, Any]) -> str:
     parts += [f"layers{layers}" if layers else "", str(case["variant"] or ""), case["strategy"]]
     parts += [f"accum{case['accumulation']}", "newtok" if case["new_tokens"] else ""]
     parts += ["bf16" if case["precision"] == "bf16-mixed" else "", "gc" if case["checkpointing"] else ""]
-    parts += [case["objective"] if case["objective"] != "sft" else ""]
+    parts += [case["objective"] if case["objective"] != "sft" else "", "neftune" if case["neftune"] else ""]
     return "/".join(p for p in parts if p)
 
 
@@ -286,18 +288,23 @@ class StepReference(L.Callback):
             return
         self.packed.append("packed_segments" in batch)
         bf16 = self.precision == "bf16-mixed"
+        state = torch.get_rng_state()  # NEFTune: the step then draws the noise this forward drew
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            if self.objective != "sft":
-                loss_sum, count = pair_objective_losses(self.objective, module, batch)
-                self.sums.append(loss_sum)
+            self._reference(module, batch)
+        torch.set_rng_state(state)
+
+    def _reference(self, module: Any, batch: dict[str, Any]) -> None:
+        if self.objective != "sft":
+            loss_sum, count = pair_objective_losses(self.objective, module, batch)
+            self.sums.append(loss_sum)
+            self.counts.append(count)
+            return
+        for sample_batch in _alone(batch):
+            count = int((sample_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+            if count:
+                loss = module.model(**sample_batch, use_cache=False).loss
+                self.sums.append(float(loss) * count)
                 self.counts.append(count)
-                return
-            for sample_batch in _alone(batch):
-                count = int((sample_batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-                if count:
-                    loss = module.model(**sample_batch, use_cache=False).loss
-                    self.sums.append(float(loss) * count)
-                    self.counts.append(count)
 
     @property
     def loss(self) -> float:
@@ -376,6 +383,8 @@ def assert_options_show(case: dict[str, Any], module: InstructLoRAModule, traine
     assert trainable and all(p.dtype == torch.float32 for p in trainable)  # adapters and their state: fp32
     if case["checkpointing"]:
         assert module.base_model.is_gradient_checkpointing
+    embeddings = module.base_model.get_input_embeddings()
+    assert getattr(embeddings, "neftune_noise_alpha", None) == case["neftune"]
 
 
 @pytest.mark.slow
