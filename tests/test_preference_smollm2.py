@@ -140,11 +140,11 @@ CASES = {  # TRL's trainer, LoRA targets, its config, ours
         dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], beta=0.1),
         {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
     ),
-    "wpo": (
+    "wpo": (  # TRL 1.16 cannot weigh its "sft" term (an in-place product on an expanded tensor)
         "dpo",
         ["q_proj", "v_proj"],
-        dict(loss_type=["sigmoid", "sft"], beta=0.1, use_weighting=True),
-        {"loss_type": ["sigmoid", "sft"], "use_weighting": True},
+        dict(loss_type=["sigmoid", "bco_pair"], beta=0.1, use_weighting=True),
+        {"loss_type": ["sigmoid", "bco_pair"], "use_weighting": True},
     ),
     "ld-dpo-reference-free": (
         "dpo",
@@ -174,7 +174,8 @@ def test_one_step_on_smollm2_equals_trl(case, smollm2_path, tokenizer, batch, tm
 
     if not ours.objective.preference_loss.reference_free:  # zero reference: the policy's log-probs, all < 0
         assert 0 < metrics["rewards/accuracies"] < 1  # pairs the policy tells apart differently
-    assert 0.05 < loss.item() < 5  # not saturated: the gradients are not vanishingly small
+    floor = 0.01 if preference.get("use_weighting") else 0.05  # WPO's weights (probabilities) shrink it
+    assert floor < loss.item() < 5  # not saturated: the gradients are not vanishingly small
     names = REWARD_METRICS + LOGPS_METRICS
     _compare(trl_loss, trl_metrics, trl_grads, loss, metrics, _lora_grads(ours.model), names)
 
