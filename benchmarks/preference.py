@@ -17,7 +17,7 @@ The runs (``--runs``; every ratio is against ``trl-bf16``, else ``trl``):
   ours-auto    the shipped config's default: ``precision: auto`` and ``model.dtype: auto`` (bf16
                autocast over bf16 base weights where the CPU does bf16, else ours-eager)
   ours-gc      ours-auto with ``model.gradient_checkpointing``
-  ours-cached  ours-auto with ``model.preference.precompute_reference``: the reference's
+  ours-cached  ours-auto with DPO's ``precompute_reference``: the reference's
                log-probabilities computed once before the first step (not timed), steps without it
   trl-cached   trl-bf16 with ``precompute_ref_log_probs=True`` (the same, TRL's way)
 
@@ -94,7 +94,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
 
     from lit_instruct import InstructLoRAModule, LoRAConfig
     from lit_instruct.batch import num_tokens
-    from lit_instruct.loss.preference import PreferenceConfig
+    from lit_instruct.objectives import DPO
     from lit_instruct.train.trainer import InstructTrainer
 
     class StepClock(L.Callback):
@@ -115,7 +115,7 @@ def run_ours(data: Path, steps: int, options: dict, precision: str) -> dict:
         options = dict(options)
         precompute = options.pop("precompute_reference", False)
         module = InstructLoRAModule(
-            preference=PreferenceConfig(kind="dpo", beta=BETA, precompute_reference=precompute),
+            objective=DPO(beta=BETA, precompute_reference=precompute),
             lora=LoRAConfig(r=RANK, alpha=2 * RANK, dropout=0.0, target_modules="all-linear"),
             learning_rate=LR,
             warmup_steps=0,

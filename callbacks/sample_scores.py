@@ -238,6 +238,13 @@ class SampleScores(L.Callback):
 
     def _find_held_out(self, trainer: L.Trainer) -> list[HeldOut]:
         datamodule = getattr(trainer, "datamodule", None)
+        kind = getattr(datamodule, "batch_kind", "conversations")
+        if kind != "conversations":  # pairs, labelled answers: no conversation to answer
+            self._said_none = True
+            rank_zero_warn(
+                f"SampleScores answers held-out conversations; this data holds {kind}: it scores nothing"
+            )
+            return []
         samples = getattr(datamodule, "val_samples", None) if datamodule is not None else None
         found = []
         if samples is not None:

@@ -296,6 +296,20 @@ CONFLICTS: tuple[Conflict, ...] = (
         (1, "unpaired"),
     ),
     Conflict(
+        "data.eval_batch_size",
+        "data.batch_kind",
+        lambda size, kind: kind == "unpaired" and isinstance(size, int) and size < 2,
+        "KTO's KL estimate pairs each prompt with another answer of its batch, held-out ones too",
+        (1, "unpaired"),
+    ),
+    Conflict(
+        "data.num_proc",
+        "data.batch_kind",
+        lambda procs, kind: kind != "conversations" and isinstance(procs, int) and procs > 1,
+        "pairs and labelled answers render in the main process (uncached: in well under a step's time)",
+        (2, "pairs"),
+    ),
+    Conflict(
         "data.format",
         "data.batch_kind",
         lambda record_format, kind: record_format not in (None, "auto") and kind != "conversations",

@@ -276,6 +276,7 @@ def assert_resumed_as_uninterrupted(resumed: Recorder, uninterrupted: Recorder, 
 def pair_losses(module: InstructLoRAModule, batch: dict) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """A pair objective's sums of ``batch``: the summed loss, the metric sums (in the objective's
     ``metric_names`` order), the counted pairs and their answers' tokens."""
+    batch = {"num_pairs": len(batch["input_ids"]) // 2, **batch}  # the collator's [chosen; rejected] rows
     sums = module.objective_sums(batch)
     assert sums.metric_sums is not None
     return sums.loss_sum, sums.metric_sums, sums.count, sums.answer_tokens

@@ -56,6 +56,15 @@ PAIRS_HINT = (
 )
 
 
+def is_labelled_answer(raw: Any) -> bool:
+    """Whether a raw record is an answer labelled desirable or not (TRL's unpaired layout, KTO's):
+    a ``completion`` with a true/false ``label``."""
+    if not (isinstance(raw, dict) and "completion" in raw):
+        return False
+    label = raw.get("label")
+    return isinstance(label, bool) or (isinstance(label, str) and label.strip().lower() in ("true", "false"))
+
+
 def is_pair(raw: Any) -> bool:
     """Whether a raw record is a preference pair (it has a ``chosen`` answer), not a demonstration."""
     return isinstance(raw, dict) and "chosen" in raw
@@ -475,6 +484,9 @@ def _unused_fields(raw: dict[str, Any], fmt: str, source: str) -> tuple[str, ...
             continue
         if name in REFUSED_FIELDS:
             raise _refuse_field(name, REFUSED_FIELDS[name], source)
+        if name == "label" and is_labelled_answer(raw):  # SFT would train the undesirable answers too
+            why = "whether the answer is desirable (KTO's layout: train it with model.objective: kto)"
+            raise _refuse_field(name, why, source)
         unused.append(name)
     for key, turns, layout in _turn_lists(raw, fmt, source):
         for i, turn in enumerate(turns if isinstance(turns, list) else []):

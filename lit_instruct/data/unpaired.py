@@ -172,9 +172,13 @@ class UnpairedCollator:
         shifted = [answers[-1], *answers[:-1]]
         kl = [kl_sample(a, b, self.max_seq_len) for a, b in zip(answers, shifted, strict=True)]
         batch = self.pad([a.sample for a in answers] + kl)
-        mask = (batch["labels"][: len(answers), 1:] != IGNORE_INDEX).any(dim=1)
+        n = len(answers)
+        mask = (batch["labels"][:n, 1:] != IGNORE_INDEX).any(dim=1)
         batch["desirable"] = torch.tensor([a.desirable for a in answers], dtype=torch.bool)
         batch["answer_mask"] = mask
+        # a KL row counts when its own prompt's answer counts and it holds a completion of another
+        # answer (not a padding repeat's, nor its own in a batch of one)
+        batch["kl_mask"] = mask & (batch["labels"][n:, 1:] != IGNORE_INDEX).any(dim=1) & (n > 1)
         batch["num_counted_answers"] = int(mask.sum())
         # the collator's counts are of the answer rows only (the KL rows are scored without gradient)
         batch["num_response_tokens"] = int((batch["labels"][: len(answers), 1:] != IGNORE_INDEX).sum())

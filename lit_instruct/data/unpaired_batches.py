@@ -51,8 +51,11 @@ LABELS = {True: "desirable", False: "undesirable"}
 
 
 def _read_answers(source: DataSource, rejects: Rejects, counts: Counter[str]) -> list[UnpairedRecord]:
-    """Every answer of ``source`` (bad records raise or are counted, per ``rejects``)."""
-    records = []
+    """Every answer of ``source`` (bad records raise or are counted, per ``rejects``): in reading
+    order, a pair's chosen answer in its place and its rejected one after all of them (TRL's
+    ``unpair_preference_dataset`` order), so that neighbours, whose completions the KL rows swap,
+    answer different prompts."""
+    records, rejected = [], []
     for raw in iter_source(source):
         try:
             if raw.error is not None:
@@ -63,8 +66,9 @@ def _read_answers(source: DataSource, rejects: Rejects, counts: Counter[str]) ->
             continue
         for name in answers[0].unused:
             counts[f"unused_field_{name}"] += 1
-        records += answers
-    return records
+        records.append(answers[0])
+        rejected += answers[1:]  # a pair's rejected answer: after every chosen one, as TRL unpairs
+    return records + rejected
 
 
 class UnpairedBatches(PairBatches):

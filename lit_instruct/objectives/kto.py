@@ -106,7 +106,8 @@ class KTO(Objective):
         if with_kl:
             with torch.no_grad():
                 kl_logps = sequence_logps(policy, rows_of(batch, n, 2 * n))[0]
-                ratios = (kl_logps - reference[n:])[counted]
+                kl_rows = counted & batch.get("kl_mask", counted).to(counted.device)
+                ratios = (kl_logps - reference[n:])[kl_rows]
                 local = torch.stack(
                     [ratios.double().sum(), ratios.new_tensor(len(ratios), dtype=torch.float64)]
                 )

@@ -116,6 +116,10 @@ class PairObjective(Objective):
         refuse_outside_pairs(self, settings)
 
     def sums(self, policy: Policy, batch: dict[str, Any]) -> ObjectiveSums:
+        if "num_pairs" not in batch:
+            raise ValueError(
+                f"{self.name} takes preference pairs: batches of an InstructDataModule(batch_kind='pairs')"
+            )
         loss = self.preference_loss
         reference = None
         cached = batch.get("reference_logps") if self.preference.precompute_reference else None

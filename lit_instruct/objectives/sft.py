@@ -22,6 +22,8 @@ class SFT(Objective):
     token_loss: ClassVar[bool] = True
 
     def sums(self, policy: Policy, batch: dict[str, Any]) -> ObjectiveSums:
+        if "num_pairs" in batch or "desirable" in batch:
+            raise ValueError("SFT takes conversations: this batch holds pairs or labelled answers")
         hidden, aux = policy.trunk(batch)  # (B, T, H)
         shifted = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (B*(T-1), H): row p predicts p+1
         labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)

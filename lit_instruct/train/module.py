@@ -289,6 +289,15 @@ class InstructLoRAModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
+        kind = getattr(datamodule, "batch_kind", None)
+        if kind is not None and kind != self.objective.batch_kind:
+            name = self.objective.name or type(self.objective).__name__
+            raise ConfigError(
+                "data.batch_kind",
+                f"{kind!r} cannot be combined with model.objective: {name}, which takes "
+                f"{self.objective.batch_kind}: pass InstructDataModule(batch_kind="
+                f"{self.objective.batch_kind!r}) (the CLI links it)",
+            )
         if getattr(datamodule, "packing", False) and not self.packing:
             raise ValueError(
                 "data.packing is on but the model was built without packing: pass "
