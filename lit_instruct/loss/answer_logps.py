@@ -139,6 +139,40 @@ def answer_token_log_sum_squares(
     return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
 
 
+def _chunk_entropies(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+) -> torch.Tensor:
+    """The entropy of ``softmax(transform(hidden @ weight.T + bias))`` per row of one chunk, fp32."""
+    logps = torch.log_softmax(transform(F.linear(hidden, weight, bias).float()), dim=1)
+    return -(logps.exp() * logps).sum(dim=1)
+
+
+@torch.no_grad()
+def answer_token_entropies(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    transform: LogitTransform = IDENTITY,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Each labelled position's predicted distribution's entropy (nats), ``(n,)`` fp32 in
+    :func:`answer_token_logps`' order, chunked as it is, without gradient (GRPO's ``entropy``)."""
+    flat = labels.reshape(-1) != ignore_index
+    rows = hidden.reshape(-1, hidden.shape[-1])[flat]
+    chunk = chunk_size or default_chunk_size(weight.shape[0], buffers=CHUNK_BUFFERS)
+    pieces = [
+        _chunk_entropies(rows[start : start + chunk], weight, bias, transform)
+        for start in range(0, len(rows), chunk)
+    ]
+    return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
+
+
 def wpo_weights(
     per_token: torch.Tensor,
     log_sum_squares: torch.Tensor,
