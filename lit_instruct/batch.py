@@ -23,6 +23,7 @@ def num_response_tokens(batch: Mapping[str, Any]) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-BatchKind = Literal["conversations", "pairs", "unpaired"]
+BatchKind = Literal["conversations", "pairs", "unpaired", "prompts"]
 """What a batch holds, as an objective takes it: rendered conversations (SFT), ``[chosen; rejected]``
-preference pairs, or unpaired answers labelled desirable or not (KTO)."""
+preference pairs, unpaired answers labelled desirable or not (KTO), or prompts whose answers the
+policy samples (GRPO, RLOO)."""

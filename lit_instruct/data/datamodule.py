@@ -19,6 +19,7 @@ from lit_instruct.data.loader_workers import ignore_stop_signals
 from lit_instruct.data.nothing_to_train import no_training_sample
 from lit_instruct.data.pair_batches import PairBatches
 from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
+from lit_instruct.data.prompt_batches import PromptBatches
 from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
 from lit_instruct.data.sources import CHATTERBOT, DataSource
@@ -59,10 +60,11 @@ class InstructDataModule(L.LightningDataModule):
     """Instruction data for causal-LM fine-tuning: files, folders, hub datasets, mixtures of them.
 
     What a batch holds is ``batch_kind``: rendered ``conversations`` (SFT), preference ``pairs``
-    (:class:`~lit_instruct.data.pair_batches.PairBatches`) or ``unpaired`` answers labelled desirable
-    or not (KTO: :class:`~lit_instruct.data.unpaired_batches.UnpairedBatches`); every kind reads the
-    same sources with the same split, dedupe, tokenizer, sampler and resume. The settings that do not
-    apply to a kind are refused with it (:data:`lit_instruct.rules.CONFLICTS`).
+    (:class:`~lit_instruct.data.pair_batches.PairBatches`), ``unpaired`` answers labelled desirable
+    or not (KTO: :class:`~lit_instruct.data.unpaired_batches.UnpairedBatches`) or ``prompts`` whose
+    answers the policy samples (GRPO, RLOO: :class:`~lit_instruct.data.prompt_batches.PromptBatches`);
+    every kind reads the same sources with the same split, dedupe, tokenizer, sampler and resume. The
+    settings that do not apply to a kind are refused with it (:data:`lit_instruct.rules.CONFLICTS`).
 
     Args:
         batch_kind: what the objective takes (the CLI links it to ``model.objective``).
@@ -220,9 +222,8 @@ class InstructDataModule(L.LightningDataModule):
         self.prepared: PreparedData | None = None
         self._set_up = False
         self.batch_kind = batch_kind
-        self.part: Any = {"pairs": PairBatches, "unpaired": UnpairedBatches}.get(
-            batch_kind, lambda data: None
-        )(self)
+        parts = {"pairs": PairBatches, "unpaired": UnpairedBatches, "prompts": PromptBatches}
+        self.part: Any = parts.get(batch_kind, lambda data: None)(self)
         """What reads, renders and batches a kind other than conversations (``None`` for those)."""
 
     def prepare_data(self) -> None:

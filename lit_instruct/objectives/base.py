@@ -30,6 +30,8 @@ class Policy(Protocol):
 
     loss_fn: LossFn
     logit_transform: LogitTransform
+    model: Any
+    """The trained model (the adapter on its base): what online objectives sample from."""
 
     @property
     def trainer(self) -> Any: ...

@@ -15,11 +15,14 @@ from lit_instruct.errors import ConfigError, closest
 from lit_instruct.loss.preference import PreferenceConfig
 from lit_instruct.objectives.base import Objective
 from lit_instruct.objectives.kto import KTO
+from lit_instruct.objectives.online import GRPO, RLOO
 from lit_instruct.objectives.pairs import DPO, IPO, ORPO, PairObjective, SimPO
 from lit_instruct.objectives.sft import SFT
 
-ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"]
-OBJECTIVES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, IPO, SimPO, ORPO, KTO)}
+ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo", "rloo"]
+OBJECTIVES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (SFT, DPO, IPO, SimPO, ORPO, KTO, GRPO, RLOO)
+}
 """The objectives by short name."""
 
 

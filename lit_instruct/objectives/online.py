@@ -1,0 +1,459 @@
+"""Online RL objectives: GRPO and RLOO, as TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer`` train.
+
+Each micro-batch of prompts is rolled out: ``num_generations`` completions per prompt sampled from
+the policy as it is (:mod:`~lit_instruct.objectives.sampler`), decoded and scored by the rewards
+(:mod:`lit_instruct.rewards`), their advantages taken within each prompt's group, and the loss of
+:mod:`~lit_instruct.objectives.rollout_loss` computed on them. Groups stay whole on a rank; a rank's
+padding repeats are sampled but count nothing. Each completion's log-probability under the policy
+is the chunked lm_head path's, at the sampling temperature.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from lit_instruct.batch import BatchKind
+from lit_instruct.errors import ConfigError
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.loss.answer_logps import answer_token_logps
+from lit_instruct.loss.grpo import (
+    ImportanceSampling,
+    ScaleRewards,
+    group_advantages,
+    leave_one_out_advantages,
+    rloo_rewards,
+    weighted_rewards,
+)
+from lit_instruct.objectives.base import Objective, ObjectiveSums, Policy
+from lit_instruct.objectives.pairs import refuse_outside_pairs
+from lit_instruct.objectives.rollout_loss import (
+    METRIC_NAMES,
+    GRPOLossSettings,
+    RLOOLossSettings,
+    grpo_sums,
+    reference_logps,
+    rloo_sums,
+    rollout_metrics,
+    tempered,
+)
+from lit_instruct.objectives.sampler import Completion, Sampler, SamplingSettings, TransformersSampler
+from lit_instruct.rewards.base import OnError, Reward, resolve_rewards, score
+
+GROUP = "model.objective.init_args"
+ROLLOUT_SUMS = (
+    "completions",
+    "truncated",
+    "completion_length",
+    "zero_std",
+    "reward",
+    "reward_square",
+    "scored",
+)
+
+
+@dataclass
+class Rollout:
+    """A micro-batch rolled out: the batch the loss reads, and the sums of what was sampled."""
+
+    batch: dict[str, Any]
+    sums: torch.Tensor
+    tokens: int
+
+
+class OnlineObjective(Objective):
+    """What GRPO and RLOO share: the prompts' rollouts. Subclasses supply the advantages and the loss."""
+
+    batch_kind: ClassVar[BatchKind] = "prompts"
+    count_name: ClassVar[str] = "completions"
+    sequence_clips: bool = False
+
+    def __init__(
+        self,
+        rewards: Any,
+        num_generations: int,
+        max_completion_length: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        mask_truncated_completions: bool,
+        on_reward_error: OnError,
+        seed: int,
+    ) -> None:
+        if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
+            raise ConfigError(
+                f"{GROUP}.num_generations",
+                f"must be 2 or more (advantages compare a prompt's completions), got {num_generations!r}",
+            )
+        if isinstance(max_completion_length, bool) or not isinstance(max_completion_length, int):
+            raise ConfigError(
+                f"{GROUP}.max_completion_length", f"must be a whole number, got {max_completion_length!r}"
+            )
+        if max_completion_length < 1:
+            raise ConfigError(
+                f"{GROUP}.max_completion_length", f"must be 1 or more, got {max_completion_length}"
+            )
+        if not temperature > 0:
+            raise ConfigError(f"{GROUP}.temperature", f"must be > 0, got {temperature}")
+        if not 0 < top_p <= 1:
+            raise ConfigError(f"{GROUP}.top_p", f"must be in (0, 1], got {top_p}")
+        if not top_k >= 0:
+            raise ConfigError(f"{GROUP}.top_k", f"must be 0 (off) or more, got {top_k}")
+        if on_reward_error not in ("raise", "skip_group"):
+            raise ConfigError(
+                f"{GROUP}.on_reward_error", f"must be raise or skip_group, got {on_reward_error!r}"
+            )
+        self.rewards = rewards
+        self.reward_list: list[Reward] = resolve_rewards(rewards, f"{GROUP}.rewards")
+        self.num_generations = num_generations
+        self.max_completion_length = max_completion_length
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.mask_truncated_completions = mask_truncated_completions
+        self.on_reward_error = on_reward_error
+        self.seed = seed
+        reward_sums = [
+            f"rewards/{r.name}/{part}" for r in self.reward_list for part in ("sum", "square", "count")
+        ]
+        self.metric_names = (*METRIC_NAMES, *ROLLOUT_SUMS, *reward_sums)
+        self.tokenizer: Any = None
+        self.sampler: Sampler | None = None
+        self._calls: dict[tuple[bool, int], int] = {}
+
+    def check(self, settings: Mapping[str, Any]) -> None:
+        super().check(settings)
+        refuse_outside_pairs(self, settings)
+
+    # -- the rollout ----------------------------------------------------------------------------
+
+    def bind(self, tokenizer: Any, sampler: Sampler | None = None) -> None:
+        """The tokenizer that decodes completions (and the sampler, default: the policy's
+        ``generate``): the module's data module's, found on the first step otherwise."""
+        self.tokenizer = tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        settings = SamplingSettings(self.max_completion_length, self.temperature, self.top_p, self.top_k)
+        self.sampler = sampler or TransformersSampler(settings, [tokenizer.eos_token_id], pad)
+
+    def _seed(self, policy: Policy, training: bool) -> int:
+        """A seed per micro-batch: from ``seed``, the step, the micro-batch within it and the rank."""
+        trainer = getattr(policy, "_trainer", None)
+        step = trainer.global_step if trainer is not None else 0
+        rank = trainer.global_rank if trainer is not None else 0
+        key = (training, step)
+        index = self._calls.get(key, 0)
+        self._calls = {key: index + 1}
+        return zlib.crc32(f"{self.seed}/{int(training)}/{step}/{index}/{rank}".encode()) & 0x7FFFFFFF
+
+    def roll_out(self, policy: Policy, batch: Mapping[str, Any], training: bool) -> Rollout:
+        """Sample, decode, score and lay out a micro-batch of prompts (``batch``: a
+        :class:`~lit_instruct.data.prompts.PromptCollator`'s)."""
+        if self.sampler is None:
+            datamodule = getattr(getattr(policy, "_trainer", None), "datamodule", None)
+            if datamodule is None:
+                raise ValueError(
+                    f"{self.name}: no tokenizer to decode completions with: call bind(tokenizer)"
+                )
+            self.bind(datamodule.load_tokenizer())
+        assert self.sampler is not None
+        g = self.num_generations
+        completions = self.sampler.sample(policy.model, batch["prompt_ids"], g, self._seed(policy, training))
+        counted = torch.tensor([c for c in batch["counted"] for _ in range(g)], dtype=torch.bool)
+        texts = [self.tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
+        prompts = [p for p in batch["prompts"] for _ in range(g)]
+        columns = {name: [v for v in values for _ in range(g)] for name, values in batch["columns"].items()}
+        columns["completion_ids"] = [c.ids for c in completions]
+        conversations = [[{"role": "assistant", "content": text}] for text in texts]
+        table, _ = score(self.reward_list, prompts, conversations, columns, g, self.on_reward_error)
+        rows = layout(
+            [p for p in batch["prompt_ids"] for _ in range(g)],
+            completions,
+            counted,
+            self.mask_truncated_completions,
+        )
+        rows["rewards"] = table
+        sums = self._rollout_sums(completions, table, counted)
+        tokens = int(rows["attention_mask"].sum())
+        return Rollout(rows, sums, tokens)
+
+    def _rollout_sums(
+        self, completions: list[Completion], table: torch.Tensor, counted: torch.Tensor
+    ) -> torch.Tensor:
+        weights = torch.tensor([r.weight for r in self.reward_list])
+        total = weighted_rewards(table, weights)
+        scored = counted & ~total.isnan()
+        g = self.num_generations
+        grouped = total.view(-1, g)
+        zero = torch.isclose(_group_std(grouped), torch.zeros(())).repeat_interleave(g) & counted
+        lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float64)
+        truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float64)
+        kept = total[scored].double()
+        values: list[float] = [
+            float(counted.sum()),
+            float(truncated[counted].sum()),
+            float(lengths[counted].sum()),
+            float(zero.sum()),
+            float(kept.sum()),
+            float((kept**2).sum()),
+            float(scored.sum()),
+        ]
+        for column in range(table.shape[1]):
+            mine = table[:, column][counted]
+            mine = mine[~mine.isnan()].double()
+            values += [float(mine.sum()), float((mine**2).sum()), float(len(mine))]
+        return torch.tensor(values, dtype=torch.float64)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def sums(self, policy: Policy, batch: dict[str, Any]) -> ObjectiveSums:
+        if "prompt_ids" not in batch:
+            raise ValueError(
+                f"{self.name} takes prompts: batches of an InstructDataModule(batch_kind='prompts')"
+            )
+        training = bool(getattr(policy.model, "training", True))
+        rollout = self.roll_out(policy, batch, training)
+        rows = rollout.batch
+        device = policy.device
+        rows = {k: v.to(device) if torch.is_tensor(v) else v for k, v in rows.items()}
+        rows["advantages"] = self.advantages(policy, rows).to(device)
+        loss = self.loss_sums(policy, rows)
+        batch["num_tokens"] = rollout.tokens  # what the window counts as the step's tokens
+        assert loss.metric_sums is not None
+        metric_sums = torch.cat([loss.metric_sums, rollout.sums.to(loss.metric_sums.device)])
+        return ObjectiveSums(loss.loss_sum, loss.count, metric_sums, loss.answer_tokens, loss.aux)
+
+    def advantages(self, policy: Policy, rows: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss_sums(self, policy: Policy, rows: dict[str, Any]) -> ObjectiveSums:
+        raise NotImplementedError
+
+    def metrics(self, sums: Mapping[str, float], count: int) -> dict[str, float]:
+        """TRL's names: the loss's metrics (:func:`rollout_metrics`), ``reward`` and ``reward_std``
+        (of the weighted sum), ``rewards/<name>/mean`` and ``/std``, ``frac_reward_zero_std``,
+        ``completions/mean_length`` and ``completions/clipped_ratio`` (those that did not stop)."""
+        out = rollout_metrics(sums, self.sequence_clips)
+        completions = max(sums["completions"], 1.0)
+        out["reward"], out["reward_std"] = _mean_std(sums["reward"], sums["reward_square"], sums["scored"])
+        for reward in self.reward_list:
+            stem = f"rewards/{reward.name}"
+            mean, std = _mean_std(sums[f"{stem}/sum"], sums[f"{stem}/square"], sums[f"{stem}/count"])
+            out[f"{stem}/mean"], out[f"{stem}/std"] = mean, std
+        out["frac_reward_zero_std"] = sums["zero_std"] / completions
+        out["completions/mean_length"] = sums["completion_length"] / completions
+        out["completions/clipped_ratio"] = sums["truncated"] / completions
+        return out
+
+
+def layout(
+    prompt_ids: list[list[int]], completions: list[Completion], counted: torch.Tensor, mask_truncated: bool
+) -> dict[str, Any]:
+    """Rollouts as right-padded rows (prompt, completion) with the completion tokens labelled; none of
+    a padding repeat's, nor (``mask_truncated``) of a completion that did not stop."""
+    rows, labels = [], []
+    for prompt, completion, count in zip(prompt_ids, completions, counted.tolist(), strict=True):
+        scored = count and not (mask_truncated and completion.truncated)
+        rows.append(prompt + completion.ids)
+        answer = completion.ids if scored else [IGNORE_INDEX] * len(completion.ids)
+        labels.append([IGNORE_INDEX] * len(prompt) + answer)
+    width = max(map(len, rows))
+    return {
+        "input_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+        "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
+        "labels": torch.tensor([lab + [IGNORE_INDEX] * (width - len(lab)) for lab in labels]),
+        "counted": counted,
+    }
+
+
+def _group_std(grouped: torch.Tensor) -> torch.Tensor:
+    from lit_instruct.loss.grpo import nan_std
+
+    return nan_std(grouped, dim=1)
+
+
+def _mean_std(total: float, square: float, count: float) -> tuple[float, float]:
+    """The mean and unbiased standard deviation from a sum, a sum of squares and a count."""
+    if count < 1:
+        return math.nan, math.nan
+    mean = total / count
+    variance = (square - total * mean) / (count - 1) if count > 1 else math.nan
+    return mean, math.sqrt(max(variance, 0.0)) if count > 1 else math.nan
+
+
+def _batch_std(values: torch.Tensor, policy: Policy) -> torch.Tensor:
+    """The unbiased standard deviation of the values that are not NaN, over every rank."""
+    kept = values[~values.isnan()].double()
+    local = torch.stack([kept.sum(), (kept**2).sum(), kept.new_tensor(float(len(kept)))])
+    total, square, count = policy.sum_over_ranks(local.to(policy.device)).tolist()
+    _, std = _mean_std(total, square, count)
+    return values.new_tensor(std)
+
+
+class GRPO(OnlineObjective):
+    """GRPO, exact to TRL 1.16's ``GRPOTrainer`` (its settings' names and defaults)."""
+
+    name: ClassVar[str] = "grpo"
+
+    def __init__(
+        self,
+        rewards: Any = None,
+        num_generations: int = 8,
+        max_completion_length: int = 512,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = "dapo",
+        scale_rewards: ScaleRewards = "group",
+        beta: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        importance_sampling_level: ImportanceSampling = "token",
+        delta: float | None = None,
+        use_bias_correction_kl: bool = True,
+        mask_truncated_completions: bool = False,
+        num_iterations: int = 1,
+        on_reward_error: OnError = "raise",
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            rewards,
+            num_generations,
+            max_completion_length,
+            temperature,
+            top_p,
+            top_k,
+            mask_truncated_completions,
+            on_reward_error,
+            seed,
+        )
+        if num_iterations != 1:
+            raise ConfigError(
+                f"{GROUP}.num_iterations",
+                f"{num_iterations}: reusing one rollout for several optimizer steps is not built yet (1: "
+                "each step samples its own)",
+            )
+        if scale_rewards not in ("group", "batch", "none"):
+            raise ConfigError(
+                f"{GROUP}.scale_rewards", f"must be group, batch or none, got {scale_rewards!r}"
+            )
+        try:
+            self.loss_settings = GRPOLossSettings(
+                loss_type,
+                beta,
+                epsilon,
+                epsilon_high,
+                importance_sampling_level,
+                delta,
+                use_bias_correction_kl,
+                temperature,
+                max_completion_length,
+            )
+        except ValueError as error:
+            raise ConfigError(GROUP, str(error)) from None
+        self.loss_type = loss_type
+        self.scale_rewards = scale_rewards
+        self.beta = beta
+        self.epsilon = epsilon
+        self.epsilon_high = epsilon_high
+        self.importance_sampling_level = importance_sampling_level
+        self.delta = delta
+        self.use_bias_correction_kl = use_bias_correction_kl
+        self.num_iterations = num_iterations
+        self.sequence_clips = importance_sampling_level == "sequence"
+        self.count_name = {  # type: ignore[misc]  # what this loss type averages over
+            "grpo": "completions",
+            "dapo": "completion_tokens",
+            "dr_grpo": "completion_slots",
+            "bnpo": "micro_batches",
+        }[loss_type]
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta != 0.0
+
+    def advantages(self, policy: Policy, rows: dict[str, Any]) -> torch.Tensor:
+        weights = torch.tensor([r.weight for r in self.reward_list])
+        total = weighted_rewards(rows["rewards"], weights)
+        if self.scale_rewards == "batch":
+            std = _batch_std(total, policy).to(total)
+            mean = torch.nanmean(total.view(-1, self.num_generations), dim=1).repeat_interleave(
+                self.num_generations
+            )
+            return torch.nan_to_num((total - mean) / (std + 1e-4), nan=0.0)
+        return group_advantages(total, self.num_generations, self.scale_rewards).values
+
+    def loss_sums(self, policy: Policy, rows: dict[str, Any]) -> ObjectiveSums:
+        return grpo_sums(policy, rows, self.loss_settings)
+
+
+class RLOO(OnlineObjective):
+    """RLOO, exact to TRL 1.16's ``RLOOTrainer`` (its settings' names and defaults): the
+    leave-one-out baseline, the KL as a penalty in the reward (``beta``)."""
+
+    name: ClassVar[str] = "rloo"
+    sequence_clips = True
+
+    def __init__(
+        self,
+        rewards: Any = None,
+        num_generations: int = 2,
+        max_completion_length: int = 512,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        beta: float = 0.05,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        normalize_advantages: bool = False,
+        mask_truncated_completions: bool = False,
+        on_reward_error: OnError = "raise",
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            rewards,
+            num_generations,
+            max_completion_length,
+            temperature,
+            top_p,
+            top_k,
+            mask_truncated_completions,
+            on_reward_error,
+            seed,
+        )
+        self.beta = beta
+        self.epsilon = epsilon
+        self.epsilon_high = epsilon_high
+        self.normalize_advantages = normalize_advantages
+        self.loss_settings = RLOOLossSettings(epsilon, epsilon_high, temperature)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.beta != 0.0
+
+    def advantages(self, policy: Policy, rows: dict[str, Any]) -> torch.Tensor:
+        weights = torch.tensor([r.weight for r in self.reward_list])
+        total = weighted_rewards(rows["rewards"], weights).to(policy.device)
+        if self.beta != 0.0:
+            labels = rows["labels"][:, 1:]
+            old = policy_logps(policy, rows, self.temperature)
+            reference = reference_logps(policy, rows, self.temperature)
+            rows["old_logps"], rows["reference_logps"] = old, reference
+            total = rloo_rewards(total, old, reference, labels, self.beta)
+        return leave_one_out_advantages(total, self.num_generations, self.normalize_advantages)
+
+    def loss_sums(self, policy: Policy, rows: dict[str, Any]) -> ObjectiveSums:
+        return rloo_sums(policy, rows, self.loss_settings)
+
+
+@torch.no_grad()
+def policy_logps(policy: Policy, rows: Mapping[str, Any], temperature: float) -> torch.Tensor:
+    """The policy's log-probability of each completion token as it is now, ``(n,)``, no gradient."""
+    hidden, _ = policy.trunk(dict(rows))
+    weight, bias = policy.output_weights()
+    transform = tempered(policy.logit_transform, temperature)
+    return answer_token_logps(hidden[:, :-1], weight, rows["labels"][:, 1:], bias=bias, transform=transform)

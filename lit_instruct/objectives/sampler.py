@@ -1,0 +1,88 @@
+"""Sampling completions for online RL behind one small interface (:class:`Sampler`): here the policy in
+memory through ``transformers``' ``generate`` (batched, KV cache); a vLLM backend (colocated, the
+adapter pushed by name) would implement the same ``sample``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How completions are drawn (TRL's ``GRPOConfig`` names): up to ``max_completion_length`` new
+    tokens, stopping after any of ``stop_ids``; ``top_k`` 0 is off."""
+
+    max_completion_length: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion: its tokens (through the stop token, if it stopped) and whether it ran
+    out of tokens before stopping."""
+
+    ids: list[int]
+    truncated: bool
+
+
+class Sampler(Protocol):
+    """Draws ``num_generations`` completions per prompt, prompt by prompt in order (each prompt's
+    consecutive), reproducibly for one ``seed``."""
+
+    def sample(
+        self, model: Any, prompt_ids: list[list[int]], num_generations: int, seed: int
+    ) -> list[Completion]: ...
+
+
+class TransformersSampler:
+    """Samples with the model in memory: prompts left-padded into one batch, ``generate`` with the KV
+    cache, in eval mode (no dropout), the RNG forked and seeded so training's stream is untouched."""
+
+    def __init__(self, settings: SamplingSettings, stop_ids: list[int], pad_id: int) -> None:
+        self.settings = settings
+        self.stop_ids = list(stop_ids)
+        self.pad_id = pad_id
+
+    @torch.no_grad()
+    def sample(
+        self, model: Any, prompt_ids: list[list[int]], num_generations: int, seed: int
+    ) -> list[Completion]:
+        rows = [ids for ids in prompt_ids for _ in range(num_generations)]
+        width = max(map(len, rows))
+        device = next(model.parameters()).device
+        input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        settings = self.settings
+        was_training = model.training
+        model.eval()
+        devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(seed)
+                output = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    max_new_tokens=settings.max_completion_length,
+                    do_sample=True,
+                    temperature=settings.temperature,
+                    top_p=settings.top_p,
+                    top_k=settings.top_k,  # 0: off (not the model's default)
+                    eos_token_id=self.stop_ids,
+                    pad_token_id=self.pad_id,
+                    use_cache=True,
+                )
+        finally:
+            model.train(was_training)
+        return [self._completion(row.tolist()) for row in output[:, width:]]
+
+    def _completion(self, ids: list[int]) -> Completion:
+        stops = set(self.stop_ids)
+        for index, token in enumerate(ids):
+            if token in stops:
+                return Completion(ids[: index + 1], False)
+        return Completion(ids, True)

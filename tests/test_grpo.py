@@ -1,0 +1,216 @@
+"""GRPO and RLOO one step (lit_instruct.objectives.online) against TRL 1.16's own ``GRPOTrainer`` and
+``RLOOTrainer``: the same prompts (read and rendered by our ``InstructDataModule(batch_kind="prompts")``,
+equal to TRL's own tokenization of them), the same completions (injected on both sides: our sampler
+and TRL's ``_generate`` give them), the same reward functions and LoRA weights; TRL's own scoring,
+advantages and loss then give the loss, its metrics and every LoRA gradient we give (fp32)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.errors import ConfigError
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.objectives import GRPO, RLOO
+from lit_instruct.objectives.sampler import Completion
+from lit_instruct.rewards import FormatReward, exact_answer
+from lit_instruct.train.module import InstructLoRAModule
+from tests.test_preference_loss import _load, _lora_grads, _perturb_lora
+
+RECORDS = [
+    {"prompt": "What is 12 + 7? Answer with a number.", "answer": "19"},
+    {"prompt": [{"role": "user", "content": "What is 3 times 4?"}], "answer": "12"},
+]
+ANSWERS = [  # two per prompt: the first group's rewards differ, so do the second's
+    ["It is 19.", "I think it is 20, or maybe 21"],
+    ["\\boxed{12}", "Twelve, which is 3 x 4 = 12."],
+]
+LORA = LoRAConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+BOXED = FormatReward(r"\\boxed\{")
+TRL_METRICS = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "entropy",
+    "rewards/exact_answer/mean",
+    "rewards/format/mean",
+)
+
+
+class FixedSampler:
+    """Gives the completions of :data:`ANSWERS` (what TRL's injected ``_generate`` gives too)."""
+
+    def __init__(self, completions: list[list[int]]) -> None:
+        self.completions = completions
+
+    def sample(self, model, prompt_ids, num_generations, seed):
+        assert len(prompt_ids) * num_generations == len(self.completions)
+        return [Completion(ids, ids[-1] != self.eos) for ids in self.completions]
+
+
+def completion_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer(a)["input_ids"] + [tokenizer.eos_token_id] for group in ANSWERS for a in group]
+
+
+def prompt_batch(model: Path, tmp_path: Path) -> dict:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    data = InstructDataModule(
+        batch_kind="prompts", tokenizer=str(model), train_files=[str(path)], val_fraction=0.0, batch_size=2
+    )
+    data.setup("fit")
+    return data._collator()(list(data.pairs("train")))
+
+
+def trl_trainer(kind: str, model: Path, tokenizer, tmp_path: Path, rewards, **config):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    config_class, trainer_class = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
+    args = config_class(
+        output_dir=str(tmp_path / kind),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=32,
+        **config,
+    )
+    prompts = [
+        r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}]
+        for r in RECORDS
+    ]
+    rows = [{"prompt": p, "answer": r["answer"]} for p, r in zip(prompts, RECORDS, strict=True)]
+    dataset = Dataset.from_list(rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_class(
+            model=_load(model),
+            reward_funcs=rewards,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
+        )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    _perturb_lora(trainer.model, scale=0.05)
+    return trainer, dataset
+
+
+def run_theirs(trainer, dataset, tokenizer, ours: dict) -> tuple[float, dict, dict]:
+    completions = completion_ids(tokenizer)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in completions]
+    prompt_ids = [ids for ids in ours["prompt_ids"] for _ in range(2)]
+
+    def generate(prompts):
+        # TRL's own tokenization of the prompts is ours
+        assert trainer._tokenize_prompts(prompts)[0] == prompt_ids
+        conversations = [[{"role": "assistant", "content": t}] for t in texts]
+        if hasattr(trainer, "loss_type"):  # GRPOTrainer's generation gives more
+            return prompt_ids, completions, None, conversations, None, {}, None, None
+        return prompt_ids, completions, conversations
+
+    trainer._generate = generate
+    inputs = [dataset[i] for i in range(len(dataset)) for _ in range(2)]
+    trainer._metrics["train"].clear()
+    scored = trainer._generate_and_score_completions(inputs)
+    loss = trainer._compute_loss(trainer.model, scored)
+    loss.backward()
+    metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+    return loss.item(), metrics, _lora_grads(trainer.model)
+
+
+def run_ours(objective, theirs, model: Path, tokenizer, batch: dict) -> tuple[float, dict, dict]:
+    sampler = FixedSampler(completion_ids(tokenizer))
+    sampler.eos = tokenizer.eos_token_id
+    objective.bind(tokenizer, sampler)
+    module = InstructLoRAModule(model=str(model), lora=LORA, objective=objective)
+    weights = {k: v for k, v in theirs.model.state_dict().items() if "lora_" in k}
+    loaded = module.model.load_state_dict(weights, strict=False)
+    assert not loaded.unexpected_keys and weights
+    module.train()
+    sums = module.objective_sums(dict(batch))
+    (sums.loss_sum / sums.count).backward()
+    named = dict(zip(objective.metric_names, sums.metric_sums.tolist(), strict=True))
+    return (
+        (sums.loss_sum / sums.count).item(),
+        objective.metrics(named, sums.count),
+        _lora_grads(module.model),
+    )
+
+
+def assert_same(ours, theirs, names) -> None:
+    loss, metrics, grads = ours
+    trl_loss, trl_metrics, trl_grads = theirs
+    assert loss == pytest.approx(trl_loss, rel=1e-5, abs=1e-7)
+    for name in names:
+        assert metrics[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-6), name
+    assert trl_grads.keys() == grads.keys() and grads
+    scale = max(g.abs().max() for g in trl_grads.values())
+    assert scale > 0
+    for name in trl_grads:
+        torch.testing.assert_close(grads[name], trl_grads[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+GRPO_CASES = {
+    "dapo": {},
+    "grpo-kl-batch-scaled": dict(loss_type="grpo", beta=0.04, scale_rewards="batch"),
+    "dr_grpo-unscaled": dict(loss_type="dr_grpo", scale_rewards="none"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_one_grpo_step_equals_trls(case, tiny_model_dir, tokenizer, tmp_path) -> None:
+    config = GRPO_CASES[case]
+    rewards = [exact_answer, BOXED]
+    theirs, dataset = trl_trainer("grpo", tiny_model_dir, tokenizer, tmp_path, rewards, **config)
+    batch = prompt_batch(tiny_model_dir, tmp_path)
+    trl = run_theirs(theirs, dataset, tokenizer, batch)
+    objective = GRPO(
+        rewards=[{"function": "lit_instruct.rewards:exact_answer"}, BOXED],
+        num_generations=2,
+        max_completion_length=32,
+        **config,
+    )
+    ours = run_ours(objective, theirs, tiny_model_dir, tokenizer, batch)
+    names = TRL_METRICS + (("kl",) if config.get("beta") else ())
+    assert trl[1]["reward_std"] > 0 and trl[1]["frac_reward_zero_std"] == 0  # both groups teach
+    assert_same(ours, trl, names)
+    # what TRL logs in the generation it was given ours in place of: by hand
+    lengths = [len(ids) for ids in completion_ids(tokenizer)]
+    assert ours[1]["completions/mean_length"] == pytest.approx(sum(lengths) / len(lengths))
+    assert ours[1]["completions/clipped_ratio"] == 0.0
+
+
+def test_one_rloo_step_equals_trls(tiny_model_dir, tokenizer, tmp_path) -> None:
+    rewards = [exact_answer, BOXED]
+    theirs, dataset = trl_trainer("rloo", tiny_model_dir, tokenizer, tmp_path, rewards, beta=0.05)
+    batch = prompt_batch(tiny_model_dir, tmp_path)
+    trl = run_theirs(theirs, dataset, tokenizer, batch)
+    objective = RLOO(rewards=[exact_answer, BOXED], num_generations=2, max_completion_length=32, beta=0.05)
+    ours = run_ours(objective, theirs, tiny_model_dir, tokenizer, batch)
+    assert_same(ours, trl, ("reward", "entropy", "kl"))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(num_generations=1), r"num_generations: must be 2 or more"),
+        (dict(num_iterations=2), r"num_iterations: 2: reusing one rollout .* not built yet"),
+        (dict(loss_type="dapo", importance_sampling_level="sequence"), r"GSPO\) takes loss_type: grpo"),
+        (dict(rewards=None), r"rewards: needs at least one reward"),
+        (dict(rewards=["exact_anwser"]), r"rewards\[0\]: 'exact_anwser' names no reward"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_it(settings, message) -> None:
+    given = {"rewards": ["exact_answer"], **settings}
+    with pytest.raises(ConfigError, match=rf"^model\.objective\.init_args.*{message}"):
+        GRPO(**given)
