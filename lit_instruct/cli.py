@@ -192,7 +192,7 @@ def union_error(line: str) -> str:
     return f"{key.group(1)}: {inner.group(1)}"
 
 
-REWARD_SHOWN = ("val/rewards/accuracies", "val/rewards/margins")
+REWARD_SHOWN = ("val/reward", "val/rewards/accuracies", "val/rewards/margins")
 """The reward metric the fit's last line shows for an objective other than SFT: the first it logs."""
 
 

@@ -256,29 +256,29 @@ CONFLICTS: tuple[Conflict, ...] = (
         "data.packing",
         "data.batch_kind",
         lambda packing, kind: bool(packing) and kind != "conversations",
-        "pairs and labelled answers are padded rows, the chosen beside the rejected (KTO: beside the "
-        "mismatched completions of its KL estimate)",
+        "pairs, labelled answers and rollouts are padded rows (the chosen beside the rejected; KTO's "
+        "answers beside their KL rows; each prompt's completions side by side)",
         (True, "pairs"),
     ),
     Conflict(
         "data.streaming",
         "data.batch_kind",
         lambda streaming, kind: bool(streaming) and kind != "conversations",
-        "pairs and labelled answers are read and split by prompt before training",
+        "pairs, labelled answers and prompts are read and split by prompt before training",
         (True, "pairs"),
     ),
     Conflict(
         "data.chatterbot_categories",
         "data.batch_kind",
         lambda categories, kind: bool(categories) and kind != "conversations",
-        "the chatterbot corpus holds conversations, no preference pairs or labelled answers",
+        "the chatterbot corpus holds conversations, no preference pairs, labelled answers or prompts",
         (["greetings"], "pairs"),
     ),
     Conflict(
         "data.train_on",
         "data.batch_kind",
         lambda train_on, kind: train_on not in (None, "answers") and kind != "conversations",
-        "pairs and labelled answers train their answers only",
+        "pairs, labelled answers and rollouts train their answers only",
         ("all", "pairs"),
     ),
     Conflict(
@@ -306,15 +306,24 @@ CONFLICTS: tuple[Conflict, ...] = (
         "data.num_proc",
         "data.batch_kind",
         lambda procs, kind: kind != "conversations" and isinstance(procs, int) and procs > 1,
-        "pairs and labelled answers render in the main process (uncached: in well under a step's time)",
+        "pairs, labelled answers and prompts render in the main process (uncached: in well under a "
+        "step's time)",
         (2, "pairs"),
     ),
     Conflict(
         "data.format",
         "data.batch_kind",
         lambda record_format, kind: record_format not in (None, "auto") and kind != "conversations",
-        "the layouts of pairs and labelled answers are told apart per record (format: auto)",
+        "the layouts of pairs, labelled answers and prompts are told apart per record (format: auto)",
         ("alpaca", "pairs"),
+    ),
+    Conflict(
+        "trainer.strategy",
+        "data.batch_kind",
+        lambda strategy, kind: kind == "prompts" and _strategy(strategy) in FSDP_STRATEGIES,
+        "sampling from a sharded model is not built yet (each of its forwards is a collective, and "
+        "ranks stop generating at different lengths): use ddp_lora, which samples on every rank",
+        ("fsdp_lora", "prompts"),
     ),
     Conflict(
         "data.streaming",

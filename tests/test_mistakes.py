@@ -18,7 +18,11 @@ from lit_instruct.preflight import NOT_PROBED
 from lit_instruct.rules import BATCH_KIND, CONFLICTS
 
 ROOT = Path(__file__).resolve().parents[1]
-OBJECTIVE_OF_KIND = {"pairs": "dpo", "unpaired": "kto"}
+OBJECTIVE_OF_KIND = {
+    "pairs": "dpo",
+    "unpaired": "kto",
+    "prompts": json.dumps({"class_path": "GRPO", "init_args": {"rewards": ["exact_answer"]}}),
+}
 """An objective of each batch kind other than conversations."""
 
 

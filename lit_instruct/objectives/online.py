@@ -238,6 +238,8 @@ class OnlineObjective(Objective):
         (of the weighted sum), ``rewards/<name>/mean`` and ``/std``, ``frac_reward_zero_std``,
         ``completions/mean_length`` and ``completions/clipped_ratio`` (those that did not stop)."""
         out = rollout_metrics(sums, self.sequence_clips)
+        if not self.needs_reference:  # no KL term (TRL logs none)
+            del out["kl"]
         completions = max(sums["completions"], 1.0)
         out["reward"], out["reward_std"] = _mean_std(sums["reward"], sums["reward_square"], sums["scored"])
         for reward in self.reward_list:

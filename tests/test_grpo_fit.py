@@ -1,0 +1,75 @@
+"""GRPO and RLOO through ``lit-instruct fit --config configs/grpo.yaml`` on the tiny model: prompts read
+as the objective's batch kind, completions sampled by the policy, rewards, TRL's metrics logged, the
+adapter written; and the mistakes refused in one line before any weight is read."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from lit_instruct.cli import main
+from tests.test_mistakes import refused
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = [  # a fit of two steps of 2 prompts x 2 completions of up to 6 tokens
+    "--trainer.max_steps",
+    "2",
+    "--trainer.val_check_interval",
+    "2",
+    "--trainer.callbacks",
+    "null",
+    "--trainer.enable_progress_bar",
+    "false",
+    "--model.objective.init_args.max_completion_length",
+    "6",
+    "--model.objective.init_args.num_generations",
+    "2",
+    "--data.batch_size",
+    "2",
+    "--data.eval_batch_size",
+    "2",
+    "--data.val_fraction",
+    "0.01",
+]
+
+
+def fit(model: Path, tmp_path: Path, *extra: str) -> list[dict]:
+    logger = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(tmp_path), "name": ""},
+    }
+    args = ["fit", "--config", str(ROOT / "configs" / "grpo.yaml"), "--model.model", str(model)]
+    args += ["--trainer.logger", json.dumps(logger), "--trainer.default_root_dir", str(tmp_path)]
+    args += ["--model.adapter_dir", str(tmp_path / "adapter"), *SHORT, *extra]
+    main(args)
+    with open(tmp_path / "version_0" / "metrics.csv", encoding="utf-8") as rows:
+        return list(csv.DictReader(rows))
+
+
+@pytest.mark.parametrize("objective", ["grpo", "rloo"])
+def test_the_grpo_config_fits_and_logs_trls_metrics(objective, tiny_model_dir, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)  # the config names its data relative to the repository
+    extra = []
+    if objective == "rloo":  # the config's settings RLOO shares carry over (jsonargparse): beta set
+        extra = ["--model.objective", json.dumps({"class_path": "RLOO", "init_args": {"beta": 0.05}})]
+    rows = fit(tiny_model_dir, tmp_path, *extra)
+    trained = [r for r in rows if r.get("train/loss")]
+    validated = [r for r in rows if r.get("val/reward")]
+    assert len(trained) == 2 and len(validated) == 2  # before the fit, and after its 2 steps
+    for name in ("reward", "reward_std", "rewards/exact_answer/mean", "entropy", "completions/mean_length"):
+        assert f"train/{name}" in trained[0] and trained[0][f"train/{name}"] != "", name
+    assert 1 <= float(trained[0]["train/completions/mean_length"]) <= 6
+    assert ("train/kl" in trained[0] and trained[0]["train/kl"] != "") == (objective == "rloo")  # RLOO's beta
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert objective in card
+
+
+def test_grpo_on_pairs_is_one_line_naming_the_record(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(ROOT)
+    pairs = str(ROOT / "examples" / "data" / "preference_sample.jsonl")
+    args = ["fit", "--config", str(ROOT / "configs" / "grpo.yaml"), "--model.model", str(tiny_model_dir)]
+    line = refused([*args, "--data.train_files", f"[{pairs}]"], capsys)
+    assert "preference_sample.jsonl:1: field 'chosen' holds an answer: GRPO and RLOO sample their own" in line
