@@ -533,7 +533,7 @@ def inspect_main(argv: list[str]) -> None:
     train, val, shown = prepared.train, prepared.val, args.samples
     if data.batch_kind == "pairs":  # each pair as two samples: its chosen, then its rejected
         train, val, shown = data.pairs("train").samples(), data.pairs("val").samples(), 2 * shown
-    elif data.batch_kind == "unpaired":  # each answer as a sample marked desirable or not
+    elif data.batch_kind in ("unpaired", "prompts"):  # answers marked desirable or not; prompts
         train, val = data.pairs("train").samples(), data.pairs("val").samples()
     reports = [
         *source_reports("train", train, prepared.counts["train"], shown),
