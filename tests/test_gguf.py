@@ -17,6 +17,8 @@ from lit_instruct.export.gguf import write_gguf
 from lit_instruct.export.ollama import write_modelfile
 from tests.families import build_family
 
+pytestmark = pytest.mark.slow  # GGUF files written, read back and compared: `make test-fast` leaves it out
+
 TEXT = "Hello! How are you today? I would like to hear a short story about a river and a mountain."
 TOLERANCE = {  # max |logit diff| relative to the largest |logit|, and top-1 agreement over the text
     "f32": (1e-6, 1.0),

@@ -16,6 +16,8 @@ from lit_instruct.export.gguf import SUPPORTED, rope_factors, write_gguf
 from tests.llama_cpp import contents, convert, differences
 from tests.sentencepiece_vocab import PIECES, STYLES, as_the_hub_ships_it, sentencepiece_tokenizer
 
+pytestmark = pytest.mark.slow  # llama.cpp's converter in a subprocess: `make test-fast` leaves it out
+
 BASE = {
     "vocab_size": 49152,
     "hidden_size": 64,

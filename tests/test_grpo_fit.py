@@ -49,6 +49,7 @@ def fit(model: Path, tmp_path: Path, *extra: str) -> list[dict]:
         return list(csv.DictReader(rows))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["grpo", "rloo"])
 def test_the_grpo_config_fits_and_logs_trls_metrics(objective, tiny_model_dir, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(ROOT)  # the config names its data relative to the repository

@@ -201,7 +201,7 @@ def test_kto_settings_are_checked_before_weights(tiny_model_dir) -> None:
 def test_the_kto_config_trains_and_its_held_out_margin_rises(
     smollm2_path, tmp_path, monkeypatch, capsys
 ) -> None:
-    """``lit-instruct fit --config configs/kto.yaml`` (10 steps): the held-out answers' reward margin
+    """``lit-instruct fit --config configs/kto.yaml`` (6 steps): the held-out answers' reward margin
     rises from 0 (the policy is its reference before training) and their loss falls from 0.5."""
     from lit_instruct.cli import main
 
@@ -213,7 +213,9 @@ def test_the_kto_config_trains_and_its_held_out_margin_rises(
     args = ["fit", "--config", "configs/kto.yaml", "--trainer.logger", json.dumps(csv_logger)]
     args += [
         "--trainer.max_steps",
-        "10",
+        "6",
+        "--trainer.val_check_interval",
+        "6",
         "--trainer.default_root_dir",
         str(tmp_path),
         "--trainer.callbacks",

@@ -37,6 +37,8 @@ from tests.test_preference_loss import (
     _perturb_lora,
 )
 
+pytestmark = pytest.mark.e2e  # the real SmolLM2-135M-Instruct: `make test-fast` leaves it out
+
 SAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data" / "preference_sample.jsonl"
 PAIRS = (11, 12, 16)  # lines of SAMPLE: short rows (37 to 43 tokens), answers of 2 to 9 tokens
 NUM_PAIRS = len(PAIRS)
@@ -134,12 +136,6 @@ CASES = {  # TRL's trainer, LoRA targets, its config, ours
         dict(loss_type="simpo", beta=2.0, simpo_gamma=0.6, cpo_alpha=0.0),
         {"kind": "simpo", "beta": 2.0, "gamma": 0.6},
     ),
-    "mpo": (
-        "dpo",
-        ["q_proj", "v_proj"],
-        dict(loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], beta=0.1),
-        {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
-    ),
     "wpo": (  # TRL 1.16 cannot weigh its "sft" term (an in-place product on an expanded tensor)
         "dpo",
         ["q_proj", "v_proj"],
@@ -153,7 +149,7 @@ CASES = {  # TRL's trainer, LoRA targets, its config, ours
         {"ld_alpha": 0.5, "reference_free": True},
     ),
 }
-SLOW = {"mpo", "wpo", "ld-dpo-reference-free"}  # the other DPO loss types: on the tiny model only
+SLOW = {"wpo", "ld-dpo-reference-free"}  # the other DPO loss types (MPO...): on the tiny model only
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
