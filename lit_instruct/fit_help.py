@@ -26,7 +26,7 @@ SETTINGS = (
     ("--model.quantization.method nf4", "QLoRA: the base in 4-bit NF4 (configs/qlora.yaml)"),
     ("--model.adapter DIR", "continue from a PEFT adapter"),
     ("--model.adapter_dir DIR", "where the adapter goes (default: the run's folder/adapter)"),
-    ("--model.objective NAME", "{kinds} (docs/objectives.md)"),
+    ("--model.objective NAME", "{kinds}"),
     ("--data.train_files [A,B]", "training files, any format (docs/data.md)"),
     ("--data.max_seq_len N", "tokens per sample; longer ones are truncated (counted)"),
     ("--data.batch_size N", "samples (pairs) per batch"),

@@ -225,12 +225,12 @@ def test_settings_that_cannot_apply_are_refused(tiny_model_dir, pairs_file):
 @pytest.mark.parametrize(
     ("setting", "value", "why"),
     [
-        ("packing", True, "pairs and labelled answers are padded rows"),
-        ("streaming", True, "pairs and labelled answers are read and split by prompt"),
+        ("packing", True, "pairs, labelled answers and rollouts are padded rows"),
+        ("streaming", True, "pairs, labelled answers and prompts are read and split by prompt"),
         ("chatterbot_categories", ["ai"], "the chatterbot corpus holds conversations"),
-        ("train_on", "all", "pairs and labelled answers train their answers only"),
+        ("train_on", "all", "pairs, labelled answers and rollouts train their answers only"),
         ("multi_turn", "per_turn", "only each record's last answer is trained"),
-        ("format", "chat", "the layouts of pairs and labelled answers are told apart per record"),
+        ("format", "chat", "the layouts of pairs, labelled answers and prompts are told apart per record"),
     ],
 )
 def test_settings_pairs_cannot_take_are_refused_naming_both(tiny_model_dir, pairs_file, setting, value, why):
