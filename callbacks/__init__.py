@@ -7,6 +7,7 @@ from lit_instruct.callbacks.layer_profiler import LayerProfiler
 from lit_instruct.callbacks.loss_curves import LossCurves
 from lit_instruct.callbacks.nonfinite import NonFiniteTrainingError, SkipNonFiniteSteps
 from lit_instruct.callbacks.plain_progress import PlainProgress
+from lit_instruct.callbacks.rollout_samples import RolloutSamples
 from lit_instruct.callbacks.sample_scores import SampleScores
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "LossCurves",
     "NonFiniteTrainingError",
     "PlainProgress",
+    "RolloutSamples",
     "SampleScores",
     "SkipNonFiniteSteps",
 ]

@@ -33,7 +33,8 @@ from lit_instruct.callbacks import SkipNonFiniteSteps
 from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.distributed import full_tensor
 from lit_instruct.models.lora import LoRAConfig
-from lit_instruct.objectives import DPO, KTO, Objective
+from lit_instruct.objectives import DPO, GRPO, KTO, Objective
+from lit_instruct.objectives.sampler import Completion
 from lit_instruct.train.module import InstructLoRAModule
 from tests.ddp_fit import free_port
 from tests.helpers import FaultyModule
@@ -101,10 +102,33 @@ class StepRecorder(L.Callback):
         self.validations.append((trainer.global_step, metrics))
 
 
+def length_reward(prompts, completions, completion_ids, **columns) -> list[float]:
+    """GRPO's test reward: a completion's tokens over 4 (its group's completions differ in length)."""
+    return [len(ids) / 4 for ids in completion_ids]
+
+
+class PromptSampler:
+    """Completions that depend only on the prompt (its last tokens, reversed, as many as its length
+    modulo 5 plus the generation's index, then the end of turn): the same on any rank and process."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos = eos
+
+    def sample(self, model, prompt_ids, num_generations, seed):
+        return [
+            Completion([*ids[::-1][: 1 + (len(ids) + g) % 5], self.eos], False)
+            for ids in prompt_ids
+            for g in range(num_generations)
+        ]
+
+
 def objective_of(args: dict[str, Any]) -> Objective:
     """The objective ``args`` name: DPO (precomputing its reference or not), KTO (β 1: the KL
-    estimate moves the loss) or KTO's ``apo_zero_unpaired`` (β 0.1)."""
+    estimate moves the loss), KTO's ``apo_zero_unpaired`` (β 0.1) or GRPO (``dapo``, with a KL term)."""
     name = args.get("objective", "dpo")
+    if name == "grpo":
+        rewards = [{"function": "tests.preference_ddp_fit:length_reward"}]
+        return GRPO(rewards=rewards, num_generations=2, max_completion_length=8, beta=0.04)
     if name == "dpo":
         return DPO(precompute_reference=args.get("precompute_reference", False))
     if name == "kto-apo":
@@ -133,14 +157,18 @@ def setup(args: dict[str, Any], batch_size: int) -> tuple[InstructLoRAModule, In
             for name, p in module.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    prompts = module.objective.batch_kind == "prompts"
     data = InstructDataModule(
         batch_kind=module.objective.batch_kind,
         tokenizer=args["model"],
-        train_files=[args["train"]],
-        val_files=[args["val"]],
+        train_files=[args["prompts_train" if prompts else "train"]],
+        val_files=[args["prompts_val" if prompts else "val"]],
         batch_size=batch_size,
         eval_batch_size=2,
     )
+    if prompts:  # completions that depend on the prompt only: the same on any rank
+        tokenizer = data.load_tokenizer()
+        module.objective.bind(tokenizer, PromptSampler(tokenizer.eos_token_id))
     return module, data
 
 

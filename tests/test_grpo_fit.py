@@ -20,7 +20,14 @@ SHORT = [  # a fit of two steps of 2 prompts x 2 completions of up to 6 tokens
     "--trainer.val_check_interval",
     "2",
     "--trainer.callbacks",
-    "null",
+    json.dumps(
+        [
+            {
+                "class_path": "lit_instruct.callbacks.RolloutSamples",
+                "init_args": {"every_n_steps": 1, "max_rows": 3},
+            }
+        ]
+    ),
     "--trainer.enable_progress_bar",
     "false",
     "--model.objective.init_args.max_completion_length",
@@ -66,6 +73,11 @@ def test_the_grpo_config_fits_and_logs_trls_metrics(objective, tiny_model_dir, t
     assert ("train/kl" in trained[0] and trained[0]["train/kl"] != "") == (objective == "rloo")  # RLOO's beta
     card = (tmp_path / "adapter" / "README.md").read_text()
     assert objective in card
+    rollouts = (tmp_path / "version_0" / "rollouts.md").read_text()  # RolloutSamples, each step
+    assert "## step 1\n" in rollouts and "## step 2\n" in rollouts
+    assert (
+        rollouts.count("### completion") == 6 and "exact_answer 0.000" in rollouts and "advantage" in rollouts
+    )
 
 
 def test_grpo_on_pairs_is_one_line_naming_the_record(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:

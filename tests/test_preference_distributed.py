@@ -39,10 +39,15 @@ def args(tiny_model_dir: Path, tmp_path: Path) -> dict:
     """5 training pairs (answers of 1 to ~50 tokens): on 2 ranks of batch 2, an epoch's second step
     holds one pair and a padding repeat. 3 validation pairs: one rank validates a repeat too."""
     train = [(f"Question {i}?", a, ANSWERS[(i + 2) % len(ANSWERS)]) for i, a in enumerate(ANSWERS)]
+    prompts_train, prompts_val = tmp_path / "prompts.jsonl", tmp_path / "prompts_val.jsonl"
+    prompts_train.write_text("".join(json.dumps({"prompt": p, "answer": c}) + "\n" for p, c, _ in train))
+    prompts_val.write_text("".join(json.dumps({"prompt": p}) + "\n" for p, _, _ in VAL))
     return {
         "model": str(tiny_model_dir),
         "train": _write_pairs(tmp_path / "train.jsonl", train),
         "val": _write_pairs(tmp_path / "val.jsonl", VAL),
+        "prompts_train": str(prompts_train),
+        "prompts_val": str(prompts_val),
     }
 
 
@@ -144,7 +149,7 @@ def test_fsdp_from_an_sft_adapter_starts_at_ln2_and_resumes_against_it(args, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp_lora"])  # FSDP: the KL test below, and DPO's above
+@pytest.mark.parametrize("strategy", ["ddp_lora", "fsdp_lora"])
 def test_kto_on_two_ranks_equals_one_process_accumulating(strategy, args, tmp_path) -> None:
     """KTO's ``apo_zero_unpaired`` on the 5 pairs read as 10 answers (2 a rank a micro-batch): the
     gradient of the mean over every answer of the step, the same ``train/`` and ``val/`` metrics
@@ -169,9 +174,8 @@ def test_kto_on_two_ranks_equals_one_process_accumulating(strategy, args, tmp_pa
 @pytest.mark.slow
 def test_kto_on_two_ranks_estimates_kl_over_both(args, tmp_path) -> None:
     """With its KL estimate (the mean over both ranks' KL rows, clamped: TRL's gathered estimate),
-    both ranks log the same ``kl``, loss and metrics and hold the same weights after every step
-    (under FSDP: the reference pass and the KL rows on sharded weights)."""
-    args |= {"max_steps": 2, "objective": "kto", "strategy": "fsdp_lora"}
+    both ranks log the same ``kl``, loss and metrics and hold the same weights after every step."""
+    args |= {"max_steps": 2, "objective": "kto"}
     ranks = results(
         start_two_processes({**args, "out": str(tmp_path / "two")}), args | {"out": str(tmp_path / "two")}
     )
@@ -179,3 +183,22 @@ def test_kto_on_two_ranks_estimates_kl_over_both(args, tmp_path) -> None:
     assert first["steps"] == second["steps"] and all(step["kl"] >= 0 for step in first["steps"])
     for mine, theirs in zip(first["weights"], second["weights"], strict=True):
         assert all(torch.equal(mine[name], theirs[name]) for name in mine)
+
+
+@pytest.mark.slow
+def test_grpo_on_two_ranks_equals_one_process_accumulating(args, tmp_path) -> None:
+    """GRPO (``dapo``, a KL term) on 5 prompts x 2 completions (2 prompts a rank a micro-batch, each
+    prompt's group whole on its rank, a padding repeat counting nothing): the gradient of the mean
+    over every completion token of the step on both ranks, TRL's metrics (``reward``, ``reward_std``
+    over all ranks' completions...), through a NaN on one rank, as one process accumulating."""
+    args |= {"max_steps": 3, "objective": "grpo"}
+    two = {**args, "out": str(tmp_path / "two"), "nan_loss_at": [1], "fault_rank": 1}
+    processes = start_two_processes(two)
+    one = fit(
+        {**args, "out": str(tmp_path / "one"), "nan_loss_at": [1]}, devices=1, accumulate_grad_batches=2
+    )
+    ranks = results(processes, two)
+    assert [(r["world"], r["skipped"]) for r in ranks] == [(2, 1), (2, 1)] and one["skipped"] == 1
+    assert {"reward", "reward_std", "kl", "entropy", "rewards/length_reward/mean"} <= one["steps"][0].keys()
+    assert one["steps"][0]["reward_std"] > 0
+    assert_same_training(ranks, one, weight_atol=1e-5)

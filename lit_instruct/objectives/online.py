@@ -11,6 +11,7 @@ is the chunked lm_head path's, at the sampling temperature.
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from lit_instruct.rewards.base import OnError, Reward, resolve_rewards, score
 
 GROUP = "model.objective.init_args"
 ROLLOUT_SUMS = (
+    "skipped_groups",
     "completions",
     "truncated",
     "completion_length",
@@ -125,6 +127,11 @@ class OnlineObjective(Objective):
         self.tokenizer: Any = None
         self.sampler: Sampler | None = None
         self._calls: dict[tuple[bool, int], int] = {}
+        self.sampling_seconds = 0.0
+        """Time spent sampling completions in training steps (a report's: reset as it likes)."""
+        self.sampled_tokens = 0
+        self.last_rollout: list[dict[str, Any]] = []
+        """The last training micro-batch's completions: prompt, completion, each reward, advantage."""
 
     def check(self, settings: Mapping[str, Any]) -> None:
         super().check(settings)
@@ -162,14 +169,18 @@ class OnlineObjective(Objective):
             self.bind(datamodule.load_tokenizer())
         assert self.sampler is not None
         g = self.num_generations
+        started = time.perf_counter()
         completions = self.sampler.sample(policy.model, batch["prompt_ids"], g, self._seed(policy, training))
+        if training:
+            self.sampling_seconds += time.perf_counter() - started
+            self.sampled_tokens += sum(len(c.ids) for c in completions)
         counted = torch.tensor([c for c in batch["counted"] for _ in range(g)], dtype=torch.bool)
         texts = [self.tokenizer.decode(c.ids, skip_special_tokens=True) for c in completions]
         prompts = [p for p in batch["prompts"] for _ in range(g)]
         columns = {name: [v for v in values for _ in range(g)] for name, values in batch["columns"].items()}
         columns["completion_ids"] = [c.ids for c in completions]
         conversations = [[{"role": "assistant", "content": text}] for text in texts]
-        table, _ = score(self.reward_list, prompts, conversations, columns, g, self.on_reward_error)
+        table, skipped = score(self.reward_list, prompts, conversations, columns, g, self.on_reward_error)
         rows = layout(
             [p for p in batch["prompt_ids"] for _ in range(g)],
             completions,
@@ -177,12 +188,13 @@ class OnlineObjective(Objective):
             self.mask_truncated_completions,
         )
         rows["rewards"] = table
-        sums = self._rollout_sums(completions, table, counted)
+        rows["texts"] = texts
+        sums = self._rollout_sums(completions, table, counted, skipped)
         tokens = int(rows["attention_mask"].sum())
         return Rollout(rows, sums, tokens)
 
     def _rollout_sums(
-        self, completions: list[Completion], table: torch.Tensor, counted: torch.Tensor
+        self, completions: list[Completion], table: torch.Tensor, counted: torch.Tensor, skipped: int
     ) -> torch.Tensor:
         weights = torch.tensor([r.weight for r in self.reward_list])
         total = weighted_rewards(table, weights)
@@ -194,6 +206,7 @@ class OnlineObjective(Objective):
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float64)
         kept = total[scored].double()
         values: list[float] = [
+            float(skipped),
             float(counted.sum()),
             float(truncated[counted].sum()),
             float(lengths[counted].sum()),
@@ -221,11 +234,27 @@ class OnlineObjective(Objective):
         device = policy.device
         rows = {k: v.to(device) if torch.is_tensor(v) else v for k, v in rows.items()}
         rows["advantages"] = self.advantages(policy, rows).to(device)
+        if training:
+            self._keep(batch, rows)
         loss = self.loss_sums(policy, rows)
         batch["num_tokens"] = rollout.tokens  # what the window counts as the step's tokens
         assert loss.metric_sums is not None
         metric_sums = torch.cat([loss.metric_sums, rollout.sums.to(loss.metric_sums.device)])
         return ObjectiveSums(loss.loss_sum, loss.count, metric_sums, loss.answer_tokens, loss.aux)
+
+    def _keep(self, batch: Mapping[str, Any], rows: Mapping[str, Any]) -> None:
+        """The micro-batch's completions as rows of text (``last_rollout``)."""
+        g = self.num_generations
+        texts = rows.get("texts", [])
+        kept = []
+        for k, text in enumerate(texts):
+            prompt = batch["prompts"][k // g]
+            row = {"prompt": str(prompt[-1].get("content", "")), "completion": text}
+            for column, reward in enumerate(self.reward_list):
+                row[reward.name] = float(rows["rewards"][k, column])
+            row["advantage"] = float(rows["advantages"][k])
+            kept.append(row)
+        self.last_rollout = kept
 
     def advantages(self, policy: Policy, rows: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError
@@ -249,6 +278,8 @@ class OnlineObjective(Objective):
         out["frac_reward_zero_std"] = sums["zero_std"] / completions
         out["completions/mean_length"] = sums["completion_length"] / completions
         out["completions/clipped_ratio"] = sums["truncated"] / completions
+        if self.on_reward_error == "skip_group":  # groups a reward failed on (scored NaN): a count
+            out["skipped_groups"] = sums["skipped_groups"]
         return out
 
 

@@ -102,6 +102,8 @@ def rollout_logps(
     labels = batch["labels"][:, 1:]
     transform = tempered(policy.logit_transform, temperature)
     logps = answer_token_logps(hidden[:, :-1], weight, labels, bias=bias, transform=transform)
+    if not len(logps):  # nothing scored (a rank's padding repeats): no loss, a graph all the same
+        logps = logps + hidden.sum() * 0.0
     entropies = answer_token_entropies(hidden[:, :-1], weight, labels, bias=bias, transform=transform)
     return logps, entropies, aux
 
