@@ -58,12 +58,18 @@ def fit(model: Path, tmp_path: Path, *extra: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["grpo", "rloo"])
-def test_the_grpo_config_fits_and_logs_trls_metrics(objective, tiny_model_dir, tmp_path, monkeypatch) -> None:
+def test_the_grpo_config_fits_and_logs_trls_metrics(
+    objective, tiny_model_dir, tmp_path, monkeypatch, caplog
+) -> None:
     monkeypatch.chdir(ROOT)  # the config names its data relative to the repository
     extra = []
     if objective == "rloo":  # the config's settings RLOO shares carry over (jsonargparse): beta set
         extra = ["--model.objective", json.dumps({"class_path": "RLOO", "init_args": {"beta": 0.05}})]
-    rows = fit(tiny_model_dir, tmp_path, *extra)
+    with caplog.at_level("INFO"):
+        rows = fit(tiny_model_dir, tmp_path, *extra)
+    report = caplog.text
+    assert "best val/reward " in report and "best val/loss" not in report  # GRPO's monitor
+    assert "sampling " in report and " completion tokens (" in report  # RolloutSamples' fit cost
     trained = [r for r in rows if r.get("train/loss")]
     validated = [r for r in rows if r.get("val/reward")]
     assert len(trained) == 2 and len(validated) == 2  # before the fit, and after its 2 steps

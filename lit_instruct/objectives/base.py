@@ -79,6 +79,9 @@ class Objective:
     than ``fused`` is refused, naming the objective)."""
     metric_names: tuple[str, ...] = ()
     """Its per-unit metrics, logged as ``train/<name>`` and ``val/<name>`` (means over the units)."""
+    monitor: ClassVar[tuple[str, str]] = ("val/loss", "min")
+    """The held-out metric that says how good the model is, and whether lower or higher is better
+    (what the fit report calls the best validation)."""
 
     @property
     def needs_reference(self) -> bool:

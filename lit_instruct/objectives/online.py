@@ -73,6 +73,7 @@ class OnlineObjective(Objective):
 
     batch_kind: ClassVar[BatchKind] = "prompts"
     count_name: ClassVar[str] = "completions"
+    monitor: ClassVar[tuple[str, str]] = ("val/reward", "max")  # the policy loss says nothing of it
     sequence_clips: bool = False
 
     def __init__(

@@ -45,11 +45,14 @@ class FitTotals:
     tokens: int
     response_tokens: int
     best_val_loss: float | None
+    """The best of the objective's monitored held-out metric (``val/loss`` unless it says otherwise)."""
     best_val_step: int | None  # as the loggers show it (:func:`logged_step`)
     steps: int = -1
     """Optimizer steps this fit took (a resumed one: since the resume); -1 when not counted."""
     validated_before: float = 0.0
     """Seconds the validation before the fit took (``trainer.validate`` on the same Trainer)."""
+    best_val_name: str = "val/loss"
+    """The monitored metric's name."""
 
 
 def _duration(seconds: float) -> str:
@@ -90,7 +93,8 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
             best += f" (adapter: {best_adapter(checkpoint.best_model_path)})"
         lines.append(best)
     elif totals.best_val_loss is not None:
-        lines.append(f"  best val/loss {totals.best_val_loss:.4f} at step {totals.best_val_step} (as logged)")
+        name, value = totals.best_val_name, totals.best_val_loss
+        lines.append(f"  best {name} {value:.4f} at step {totals.best_val_step} (as logged)")
     command = totals.seconds + totals.validated_before
     if totals.validated_before > 0:
         lines.append(
@@ -130,9 +134,9 @@ def command_as_typed() -> str:
 
 class FitReport(L.Callback):
     """At fit start: trainable and total parameters, base weight bytes (``model/*`` metrics too).
-    During fit: the best ``val/loss``, at the step the loggers show it. After fit (once the module has
-    written its adapter): the summary of :func:`fit_summary`, with the time of each :class:`FitCost`
-    callback.
+    During fit: the best of the objective's ``monitor`` (``val/loss``; GRPO: ``val/reward``), at the
+    step the loggers show it. After fit (once the module has written its adapter): the summary of
+    :func:`fit_summary`, with the time of each :class:`FitCost` callback.
 
     Reads the module's ``model`` (PEFT), ``tokens_seen``, ``response_tokens_seen`` and
     ``saved_adapter``, as :class:`~lit_instruct.train.module.InstructLoRAModule` has them.
@@ -140,7 +144,8 @@ class FitReport(L.Callback):
 
     def __init__(self) -> None:
         self._started = 0.0
-        self.best_val: tuple[float, int] | None = None  # (val/loss, step)
+        self.best_val: tuple[float, int] | None = None  # (the monitored metric, step)
+        self.best_val_name = "val/loss"
         self.first_step = -1  # until training starts (it never does where max_steps is reached already)
         self.steps = 0
         self.validated_before = 0.0
@@ -193,11 +198,14 @@ class FitReport(L.Callback):
         if self._validating_since is not None:
             self.validated_before += time.perf_counter() - self._validating_since
             self._validating_since = None
-        loss = trainer.callback_metrics.get("val/loss")
-        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or loss is None:
+        name, mode = getattr(getattr(pl_module, "objective", None), "monitor", ("val/loss", "min"))
+        self.best_val_name = name
+        value = trainer.callback_metrics.get(name)
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING or value is None:
             return
-        if self.best_val is None or float(loss) < self.best_val[0]:
-            self.best_val = (float(loss), logged_step(trainer))
+        sign = 1.0 if mode == "min" else -1.0
+        if self.best_val is None or sign * float(value) < sign * self.best_val[0]:
+            self.best_val = (float(value), logged_step(trainer))
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -213,7 +221,14 @@ class FitReport(L.Callback):
             getattr(pl_module, "response_tokens_seen", 0) - self._tokens_before[1],
         )
         totals = FitTotals(
-            seconds, tokens, response_tokens, best_loss, best_step, self.steps, self.validated_before
+            seconds,
+            tokens,
+            response_tokens,
+            best_loss,
+            best_step,
+            self.steps,
+            self.validated_before,
+            getattr(self, "best_val_name", "val/loss"),
         )
         self.validated_before = 0.0  # counted once: a later fit on this Trainer starts anew
         rank_zero_info(fit_summary(trainer, totals, getattr(pl_module, "saved_adapter", None)))
