@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lit_instruct.cli import main
 from tests.test_mistakes import refused
@@ -92,3 +93,54 @@ def test_grpo_on_pairs_is_one_line_naming_the_record(tiny_model_dir, tmp_path, m
     args = ["fit", "--config", str(ROOT / "configs" / "grpo.yaml"), "--model.model", str(tiny_model_dir)]
     line = refused([*args, "--data.train_files", f"[{pairs}]"], capsys)
     assert "preference_sample.jsonl:1: field 'chosen' holds an answer: GRPO and RLOO sample their own" in line
+
+
+@pytest.mark.slow
+def test_a_resumed_grpo_fit_samples_and_trains_as_the_uninterrupted_one(tiny_model_dir, tmp_path) -> None:
+    """Checkpointed after step 2 of 3 (mid-epoch) and resumed: the third step samples the same
+    completions (seeds from the seed, step, micro-batch and rank, not from the RNG's history) and
+    leaves the same LoRA weights as the fit that ran through."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
+    from lit_instruct.objectives import GRPO
+    from tests.helpers import trainer
+
+    def run(out: Path, ckpt_path: str | None = None) -> tuple[dict, list]:
+        L.seed_everything(0)
+        objective = GRPO(
+            rewards=["exact_answer", {"class_path": "format", "init_args": {"pattern": "1"}}],
+            num_generations=2,
+            max_completion_length=6,
+            temperature=1.0,
+        )
+        module = InstructLoRAModule(
+            model=str(tiny_model_dir),
+            lora=LoRAConfig(r=4, alpha=8, dropout=0.1),
+            objective=objective,
+            learning_rate=1e-2,
+            warmup_steps=0,
+            adapter_dir=str(out / "adapter"),
+        )
+        data = InstructDataModule(
+            batch_kind="prompts",
+            tokenizer=str(tiny_model_dir),
+            train_files=[str(ROOT / "examples/data/arithmetic.jsonl")],
+            batch_size=2,
+            val_fraction=0.0,
+        )
+        every = ModelCheckpoint(dirpath=out, every_n_train_steps=1, save_top_k=-1)
+        fitted = trainer(out, max_steps=3, enable_checkpointing=True, callbacks=[every], limit_val_batches=0)
+        fitted.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        weights = {k: v.clone() for k, v in module.trainable_state_dict().items()}
+        return weights, list(objective.last_rollout)
+
+    through, rollout = run(tmp_path / "through")
+    checkpoint = sorted((tmp_path / "through").glob("*step=2*.ckpt"))
+    assert checkpoint, sorted(p.name for p in (tmp_path / "through").iterdir())
+    resumed, resumed_rollout = run(tmp_path / "resumed", str(checkpoint[0]))
+    assert [r["completion"] for r in resumed_rollout] == [r["completion"] for r in rollout]
+    assert through.keys() == resumed.keys()
+    for name, value in through.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-6, atol=1e-7, msg=name)
