@@ -214,3 +214,31 @@ def test_a_bad_setting_is_one_line_naming_it(settings, message) -> None:
     given = {"rewards": ["exact_answer"], **settings}
     with pytest.raises(ConfigError, match=rf"^model\.objective\.init_args.*{message}"):
         GRPO(**given)
+
+
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory, tokenizer) -> Path:
+    """A tiny random Qwen3-MoE with SmolLM2's vocabulary and tokenizer, its router loss on
+    (``output_router_logits``: the model's own forward adds it, and so do we; TRL's GRPOTrainer adds it
+    whenever the config has the setting, even off)."""
+    from transformers import AutoConfig
+
+    from tests.families import build_family
+
+    path = build_family("qwen3_moe", len(tokenizer), tmp_path_factory.mktemp("moe"))
+    config = AutoConfig.from_pretrained(path)
+    config.output_router_logits = True
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_one_grpo_step_on_a_tiny_moe_equals_trls(moe_model_dir, tokenizer, tmp_path) -> None:
+    rewards = [exact_answer, BOXED]
+    theirs, dataset = trl_trainer("grpo", moe_model_dir, tokenizer, tmp_path, rewards, beta=0.04)
+    batch = prompt_batch(moe_model_dir, tmp_path)
+    trl = run_theirs(theirs, dataset, tokenizer, batch)
+    objective = GRPO(rewards=[exact_answer, BOXED], num_generations=2, max_completion_length=32, beta=0.04)
+    ours = run_ours(objective, theirs, moe_model_dir, tokenizer, batch)
+    assert_same(ours, trl, (*TRL_METRICS, "kl"))
+    assert trl[1]["aux_loss"] > 0  # the router loss is in both losses
