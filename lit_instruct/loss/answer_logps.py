@@ -5,6 +5,7 @@ recomputed); :class:`PairLogps` holds a ``[chosen rows; rejected rows]`` batch's
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,14 +130,9 @@ def answer_token_log_sum_squares(
     """Each labelled position's ``log Σ_v p(v)²`` (the log of its predicted distribution's squared
     norm), ``(n,)`` fp32 in :func:`answer_token_logps`' order, chunked as it is, without gradient:
     what WPO's weights divide the token probabilities by (TRL's ``log_sum_sq_probs``)."""
-    flat = labels.reshape(-1) != ignore_index
-    rows = hidden.reshape(-1, hidden.shape[-1])[flat]
-    chunk = chunk_size or default_chunk_size(weight.shape[0], buffers=CHUNK_BUFFERS)
-    pieces = [
-        _chunk_log_sum_squares(rows[start : start + chunk], weight, bias, transform)
-        for start in range(0, len(rows), chunk)
-    ]
-    return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
+    return _per_labelled_row(
+        _chunk_log_sum_squares, hidden, weight, labels, chunk_size, bias, transform, ignore_index
+    )
 
 
 def _chunk_entropies(
@@ -163,12 +159,28 @@ def answer_token_entropies(
 ) -> torch.Tensor:
     """Each labelled position's predicted distribution's entropy (nats), ``(n,)`` fp32 in
     :func:`answer_token_logps`' order, chunked as it is, without gradient (GRPO's ``entropy``)."""
+    return _per_labelled_row(
+        _chunk_entropies, hidden, weight, labels, chunk_size, bias, transform, ignore_index
+    )
+
+
+def _per_labelled_row(
+    of_chunk: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, LogitTransform], torch.Tensor],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int | None,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+    ignore_index: int,
+) -> torch.Tensor:
+    """``of_chunk(rows, weight, bias, transform)`` over the labelled positions' hidden rows, a chunk
+    of rows at a time (as :func:`answer_token_logps` chunks them), ``(n,)`` fp32 in its order."""
     flat = labels.reshape(-1) != ignore_index
     rows = hidden.reshape(-1, hidden.shape[-1])[flat]
     chunk = chunk_size or default_chunk_size(weight.shape[0], buffers=CHUNK_BUFFERS)
     pieces = [
-        _chunk_entropies(rows[start : start + chunk], weight, bias, transform)
-        for start in range(0, len(rows), chunk)
+        of_chunk(rows[start : start + chunk], weight, bias, transform) for start in range(0, len(rows), chunk)
     ]
     return torch.cat(pieces) if pieces else rows.new_zeros(0, dtype=torch.float32)
 

@@ -51,16 +51,22 @@ class Advantages:
     zero_std: torch.Tensor
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: ScaleRewards) -> Advantages:
+def group_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    scale_rewards: ScaleRewards,
+    batch_std: torch.Tensor | None = None,
+) -> Advantages:
     """GRPO's advantages of ``N = groups x num_generations`` completions (each group's completions
     consecutive): the reward minus its group's mean, divided by the group's standard deviation
-    (``group``), the whole batch's (``batch``) or not at all (``none``); NaN rewards are left out of
-    the means and get advantage 0."""
+    (``group``), the whole batch's (``batch``: ``batch_std`` when given, the batch of every rank,
+    else these rewards') or not at all (``none``); NaN rewards are left out of the means and get
+    advantage 0."""
     _check_groups(rewards, num_generations)
     grouped = rewards.view(-1, num_generations)
     mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":
-        std = nan_std(rewards).expand_as(rewards)
+        std = (nan_std(rewards) if batch_std is None else batch_std).expand_as(rewards)
     else:
         std = nan_std(grouped, dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean

@@ -22,12 +22,12 @@ import torch
 from lit_instruct.batch import BatchKind
 from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
-from lit_instruct.loss.answer_logps import answer_token_logps
 from lit_instruct.loss.grpo import (
     ImportanceSampling,
     ScaleRewards,
     group_advantages,
     leave_one_out_advantages,
+    nan_std,
     rloo_rewards,
     weighted_rewards,
 )
@@ -37,11 +37,11 @@ from lit_instruct.objectives.rollout_loss import (
     METRIC_NAMES,
     GRPOLossSettings,
     RLOOLossSettings,
+    completion_logps,
     grpo_sums,
     reference_logps,
     rloo_sums,
     rollout_metrics,
-    tempered,
 )
 from lit_instruct.objectives.sampler import Completion, Sampler, SamplingSettings, TransformersSampler
 from lit_instruct.rewards.base import OnError, Reward, resolve_rewards, score
@@ -194,15 +194,18 @@ class OnlineObjective(Objective):
         tokens = int(rows["attention_mask"].sum())
         return Rollout(rows, sums, tokens)
 
+    def total_rewards(self, table: torch.Tensor) -> torch.Tensor:
+        """Each completion's weighted reward (NaN where no reward applies)."""
+        return weighted_rewards(table, torch.tensor([r.weight for r in self.reward_list]))
+
     def _rollout_sums(
         self, completions: list[Completion], table: torch.Tensor, counted: torch.Tensor, skipped: int
     ) -> torch.Tensor:
-        weights = torch.tensor([r.weight for r in self.reward_list])
-        total = weighted_rewards(table, weights)
+        total = self.total_rewards(table)
         scored = counted & ~total.isnan()
         g = self.num_generations
         grouped = total.view(-1, g)
-        zero = torch.isclose(_group_std(grouped), torch.zeros(())).repeat_interleave(g) & counted
+        zero = torch.isclose(nan_std(grouped, dim=1), torch.zeros(())).repeat_interleave(g) & counted
         lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float64)
         truncated = torch.tensor([c.truncated for c in completions], dtype=torch.float64)
         kept = total[scored].double()
@@ -302,12 +305,6 @@ def layout(
         "labels": torch.tensor([lab + [IGNORE_INDEX] * (width - len(lab)) for lab in labels]),
         "counted": counted,
     }
-
-
-def _group_std(grouped: torch.Tensor) -> torch.Tensor:
-    from lit_instruct.loss.grpo import nan_std
-
-    return nan_std(grouped, dim=1)
 
 
 def _mean_std(total: float, square: float, count: float) -> tuple[float, float]:
@@ -411,15 +408,9 @@ class GRPO(OnlineObjective):
         return self.beta != 0.0
 
     def advantages(self, policy: Policy, rows: dict[str, Any]) -> torch.Tensor:
-        weights = torch.tensor([r.weight for r in self.reward_list])
-        total = weighted_rewards(rows["rewards"], weights)
-        if self.scale_rewards == "batch":
-            std = _batch_std(total, policy).to(total)
-            mean = torch.nanmean(total.view(-1, self.num_generations), dim=1).repeat_interleave(
-                self.num_generations
-            )
-            return torch.nan_to_num((total - mean) / (std + 1e-4), nan=0.0)
-        return group_advantages(total, self.num_generations, self.scale_rewards).values
+        total = self.total_rewards(rows["rewards"])
+        batch_std = _batch_std(total, policy).to(total) if self.scale_rewards == "batch" else None
+        return group_advantages(total, self.num_generations, self.scale_rewards, batch_std).values
 
     def loss_sums(self, policy: Policy, rows: dict[str, Any]) -> ObjectiveSums:
         return grpo_sums(policy, rows, self.loss_settings)
@@ -470,11 +461,10 @@ class RLOO(OnlineObjective):
         return self.beta != 0.0
 
     def advantages(self, policy: Policy, rows: dict[str, Any]) -> torch.Tensor:
-        weights = torch.tensor([r.weight for r in self.reward_list])
-        total = weighted_rewards(rows["rewards"], weights).to(policy.device)
+        total = self.total_rewards(rows["rewards"]).to(policy.device)
         if self.beta != 0.0:
             labels = rows["labels"][:, 1:]
-            old = policy_logps(policy, rows, self.temperature)
+            old = completion_logps(policy, rows, self.temperature)
             reference = reference_logps(policy, rows, self.temperature)
             rows["old_logps"], rows["reference_logps"] = old, reference
             total = rloo_rewards(total, old, reference, labels, self.beta)
@@ -482,12 +472,3 @@ class RLOO(OnlineObjective):
 
     def loss_sums(self, policy: Policy, rows: dict[str, Any]) -> ObjectiveSums:
         return rloo_sums(policy, rows, self.loss_settings)
-
-
-@torch.no_grad()
-def policy_logps(policy: Policy, rows: Mapping[str, Any], temperature: float) -> torch.Tensor:
-    """The policy's log-probability of each completion token as it is now, ``(n,)``, no gradient."""
-    hidden, _ = policy.trunk(dict(rows))
-    weight, bias = policy.output_weights()
-    transform = tempered(policy.logit_transform, temperature)
-    return answer_token_logps(hidden[:, :-1], weight, rows["labels"][:, 1:], bias=bias, transform=transform)

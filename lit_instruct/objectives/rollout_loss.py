@@ -109,15 +109,18 @@ def rollout_logps(
 
 
 @torch.no_grad()
+def completion_logps(policy: Policy, batch: Mapping[str, Any], temperature: float) -> torch.Tensor:
+    """The model's log-probability of each completion token as it is now, ``(n,)``, no gradient."""
+    hidden, _ = policy.trunk(dict(batch))
+    weight, bias = policy.output_weights()
+    transform = tempered(policy.logit_transform, temperature)
+    return answer_token_logps(hidden[:, :-1], weight, batch["labels"][:, 1:], bias=bias, transform=transform)
+
+
 def reference_logps(policy: Policy, batch: Mapping[str, Any], temperature: float) -> torch.Tensor:
     """The reference model's log-probability of each completion token, ``(n,)``."""
     with policy.reference_model():
-        hidden, _ = policy.trunk(dict(batch))
-        weight, bias = policy.output_weights()
-        transform = tempered(policy.logit_transform, temperature)
-        return answer_token_logps(
-            hidden[:, :-1], weight, batch["labels"][:, 1:], bias=bias, transform=transform
-        )
+        return completion_logps(policy, batch, temperature)
 
 
 def grpo_sums(policy: Policy, batch: Mapping[str, Any], settings: GRPOLossSettings) -> ObjectiveSums:
