@@ -46,10 +46,16 @@ def gather_objects(value: Any) -> list[Any]:
     return gathered
 
 
+def gather_states(value: Any) -> list[Any]:
+    """Every rank's ``value`` (plain data and CPU or device tensors, which come back on the CPU),
+    indexed by rank: a collective call under torch.distributed."""
+    # Tensors travel as lists: all_gather_object cannot unpickle tensors in some torch versions.
+    return [_decode(g) for g in gather_objects(_encode(value))]
+
+
 def gather_rng_states() -> list[dict[str, Any]]:
     """Every rank's states, indexed by rank (a collective call under torch.distributed)."""
-    # Tensors travel as lists: all_gather_object cannot unpickle tensors in some torch versions.
-    return [_decode(g) for g in gather_objects(_encode(capture_rng_states()))]
+    return gather_states(capture_rng_states())
 
 
 def _encode(value: Any) -> Any:

@@ -124,11 +124,18 @@ class PromptSampler:
 
 def objective_of(args: dict[str, Any]) -> Objective:
     """The objective ``args`` name: DPO (precomputing its reference or not), KTO (β 1: the KL
-    estimate moves the loss), KTO's ``apo_zero_unpaired`` (β 0.1) or GRPO (``dapo``, with a KL term)."""
+    estimate moves the loss), KTO's ``apo_zero_unpaired`` (β 0.1) or GRPO (``dapo``, with a KL term;
+    ``num_iterations`` from ``args``)."""
     name = args.get("objective", "dpo")
     if name == "grpo":
         rewards = [{"function": "tests.preference_ddp_fit:length_reward"}]
-        return GRPO(rewards=rewards, num_generations=2, max_completion_length=8, beta=0.04)
+        return GRPO(
+            rewards=rewards,
+            num_generations=2,
+            max_completion_length=8,
+            beta=0.04,
+            num_iterations=args.get("num_iterations", 1),
+        )
     if name == "dpo":
         return DPO(precompute_reference=args.get("precompute_reference", False))
     if name == "kto-apo":

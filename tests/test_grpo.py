@@ -204,7 +204,7 @@ def test_one_rloo_step_equals_trls(tiny_model_dir, tokenizer, tmp_path) -> None:
     "settings, message",
     [
         (dict(num_generations=1), r"num_generations: must be 2 or more"),
-        (dict(num_iterations=2), r"num_iterations: 2: reusing one rollout .* not built yet"),
+        (dict(num_iterations=0), r"num_iterations: must be 1 or more"),
         (dict(loss_type="dapo", importance_sampling_level="sequence"), r"GSPO\) takes loss_type: grpo"),
         (dict(rewards=None), r"rewards: needs at least one reward"),
         (dict(rewards=["exact_anwser"]), r"rewards\[0\]: 'exact_anwser' names no reward"),
@@ -242,3 +242,95 @@ def test_one_grpo_step_on_a_tiny_moe_equals_trls(moe_model_dir, tokenizer, tmp_p
     ours = run_ours(objective, theirs, moe_model_dir, tokenizer, batch)
     assert_same(ours, trl, (*TRL_METRICS, "kl"))
     assert trl[1]["aux_loss"] > 0  # the router loss is in both losses
+
+
+class PromptKeyedSampler:
+    """Each prompt's completions of :data:`ANSWERS` whatever the batch's order; records the order."""
+
+    def __init__(self, groups: dict[tuple[int, ...], list[list[int]]], eos: int) -> None:
+        self.groups, self.eos, self.prompts = groups, eos, []
+
+    def sample(self, model, prompt_ids, num_generations, seed):
+        self.prompts.append([tuple(p) for p in prompt_ids])
+        ids = [c for p in prompt_ids for c in self.groups[tuple(p)]]
+        return [Completion(c, c[-1] != self.eos) for c in ids]
+
+
+def test_two_iterations_of_one_rollout_equal_trls(tiny_model_dir, tokenizer, tmp_path) -> None:
+    """``num_iterations: 2`` in a real fit: the data gives the window of prompts twice, the rollout
+    sampled at step 1 (its old log-probs and reference log-probs taken then) trains steps 1 and 2;
+    the second step's ratio to the old policy is no longer 1, so it clips. Both steps' loss and
+    metrics and the LoRA weights after each AdamW step equal TRL's GRPOTrainer run for 2 iterations
+    of ``_compute_loss`` on its one scored generation (fp32)."""
+    from tests.helpers import trainer
+    from tests.preference_ddp_fit import StepRecorder
+
+    lr, config = 0.05, dict(num_iterations=2, beta=0.04)
+    rewards = [exact_answer, BOXED]
+    theirs, dataset = trl_trainer("grpo", tiny_model_dir, tokenizer, tmp_path, rewards, **config)
+    batch = prompt_batch(tiny_model_dir, tmp_path)
+    completions = completion_ids(tokenizer)
+    groups = {tuple(p): completions[2 * k : 2 * k + 2] for k, p in enumerate(batch["prompt_ids"])}
+    sampler = PromptKeyedSampler(groups, tokenizer.eos_token_id)
+    objective = GRPO(rewards=[exact_answer, BOXED], num_generations=2, max_completion_length=32, **config)
+    objective.bind(tokenizer, sampler)
+    module = InstructLoRAModule(
+        model=str(tiny_model_dir),
+        lora=LORA,
+        objective=objective,
+        learning_rate=lr,
+        warmup_steps=0,
+        min_lr_ratio=1.0,
+    )
+    weights = {k: v for k, v in theirs.model.state_dict().items() if "lora_" in k}
+    assert not module.model.load_state_dict(weights, strict=False).unexpected_keys
+    data = InstructDataModule(
+        batch_kind="prompts",
+        tokenizer=str(tiny_model_dir),
+        train_files=[str(tmp_path / "prompts.jsonl")],
+        val_fraction=0.0,
+        batch_size=2,
+    )
+    recorder = StepRecorder()
+    fitted = trainer(tmp_path / "ours", max_steps=2, limit_val_batches=0, callbacks=[recorder])
+    fitted.fit(module, datamodule=data)
+    assert len(sampler.prompts) == 1  # sampled once, trained twice
+
+    # TRL: its generation (ours injected, in the order our data gave the prompts), then two steps
+    order = sampler.prompts[0]
+    ids_of = {tuple(p): k for k, p in enumerate(batch["prompt_ids"])}
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for p in order for c in groups[p]]
+
+    def generate(prompts):
+        assert [tuple(p) for p in trainer_prompt_ids(prompts)[::2]] == order
+        conversations = [[{"role": "assistant", "content": t}] for t in texts]
+        prompt_ids = [list(p) for p in order for _ in range(2)]
+        return prompt_ids, [c for p in order for c in groups[p]], None, conversations, None, {}, None, None
+
+    def trainer_prompt_ids(prompts):
+        return theirs._tokenize_prompts(prompts)[0]
+
+    theirs._generate = generate
+    inputs = [dataset[ids_of[p]] for p in order for _ in range(2)]
+    scored = theirs._generate_and_score_completions(inputs)
+    assert scored["old_per_token_logps"] is not None  # num_iterations > 1: kept from the generation
+    trained = [p for p in theirs.model.parameters() if p.requires_grad]
+    betas = module.hparams["betas"]
+    optimizer = torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=0.0, foreach=True)
+    for step in range(2):
+        theirs._metrics["train"].clear()
+        loss = theirs._compute_loss(theirs.model, scored)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        metrics = {name: values[-1] for name, values in theirs._metrics["train"].items()}
+        ours = recorder.steps[step]
+        assert ours["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7), step
+        for name in ("kl", "entropy", *(f"clip_ratio/{part}_mean" for part in ("region", "low", "high"))):
+            assert ours[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-6), (step, name)
+        if step == 1:
+            assert metrics["clip_ratio/region_mean"] > 0  # the old policy's log-probs matter
+        mine = {k.removeprefix("model."): v for k, v in recorder.weights[step].items()}
+        for name, value in theirs.model.named_parameters():
+            if value.requires_grad:
+                torch.testing.assert_close(mine[name], value.detach(), rtol=1e-4, atol=1e-6, msg=name)

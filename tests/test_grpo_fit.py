@@ -96,10 +96,15 @@ def test_grpo_on_pairs_is_one_line_naming_the_record(tiny_model_dir, tmp_path, m
 
 
 @pytest.mark.slow
-def test_a_resumed_grpo_fit_samples_and_trains_as_the_uninterrupted_one(tiny_model_dir, tmp_path) -> None:
-    """Checkpointed after step 2 of 3 (mid-epoch) and resumed: the third step samples the same
-    completions (seeds from the seed, step, micro-batch and rank, not from the RNG's history) and
-    leaves the same LoRA weights as the fit that ran through."""
+@pytest.mark.parametrize("num_iterations, stop", [(1, 2), (2, 1)])
+def test_a_resumed_grpo_fit_samples_and_trains_as_the_uninterrupted_one(
+    num_iterations, stop, tiny_model_dir, tmp_path
+) -> None:
+    """Checkpointed mid-epoch and resumed: the next steps sample the same completions (seeds from
+    the seed, step, micro-batch and rank, not from the RNG's history) and leave the same LoRA weights
+    as the fit that ran through. With ``num_iterations: 2`` the checkpoint after step 1 is inside a
+    rollout's iterations: the rollout (its old log-probs) comes back from the checkpoint and the data
+    resumes inside the repeated window."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -114,6 +119,7 @@ def test_a_resumed_grpo_fit_samples_and_trains_as_the_uninterrupted_one(tiny_mod
             num_generations=2,
             max_completion_length=6,
             temperature=1.0,
+            num_iterations=num_iterations,
         )
         module = InstructLoRAModule(
             model=str(tiny_model_dir),
@@ -137,7 +143,7 @@ def test_a_resumed_grpo_fit_samples_and_trains_as_the_uninterrupted_one(tiny_mod
         return weights, list(objective.last_rollout)
 
     through, rollout = run(tmp_path / "through")
-    checkpoint = sorted((tmp_path / "through").glob("*step=2*.ckpt"))
+    checkpoint = sorted((tmp_path / "through").glob(f"*step={stop}*.ckpt"))
     assert checkpoint, sorted(p.name for p in (tmp_path / "through").iterdir())
     resumed, resumed_rollout = run(tmp_path / "resumed", str(checkpoint[0]))
     assert [r["completion"] for r in resumed_rollout] == [r["completion"] for r in rollout]

@@ -187,11 +187,13 @@ def test_kto_on_two_ranks_estimates_kl_over_both(args, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_grpo_on_two_ranks_equals_one_process_accumulating(args, tmp_path) -> None:
-    """GRPO (``dapo``, a KL term) on 5 prompts x 2 completions (2 prompts a rank a micro-batch, each
-    prompt's group whole on its rank, a padding repeat counting nothing): the gradient of the mean
-    over every completion token of the step on both ranks, TRL's metrics (``reward``, ``reward_std``
-    over all ranks' completions...), through a NaN on one rank, as one process accumulating."""
-    args |= {"max_steps": 3, "objective": "grpo"}
+    """GRPO (``dapo``, a KL term, ``num_iterations`` 2) on 5 prompts x 2 completions (2 prompts a
+    rank a micro-batch, each prompt's group whole on its rank, padding repeats counting nothing): the
+    gradient of the mean over every completion token of the step on both ranks, TRL's metrics
+    (``reward``, ``reward_std`` over all ranks' completions...), each rollout trained for two steps
+    (the data repeats each window on each rank), through a NaN on one rank, as one process
+    accumulating."""
+    args |= {"max_steps": 4, "objective": "grpo", "num_iterations": 2}
     two = {**args, "out": str(tmp_path / "two"), "nan_loss_at": [1], "fault_rank": 1}
     processes = start_two_processes(two)
     one = fit(
@@ -201,4 +203,8 @@ def test_grpo_on_two_ranks_equals_one_process_accumulating(args, tmp_path) -> No
     assert [(r["world"], r["skipped"]) for r in ranks] == [(2, 1), (2, 1)] and one["skipped"] == 1
     assert {"reward", "reward_std", "kl", "entropy", "rewards/length_reward/mean"} <= one["steps"][0].keys()
     assert one["steps"][0]["reward_std"] > 0
+    steps = one["steps"]
+    assert len(steps) == 4 and steps[0]["reward"] == steps[1]["reward"]  # one rollout, two steps
+    assert steps[2]["completion_tokens"] < steps[0]["completion_tokens"]  # the epoch's last prompt
+    assert one["steps"][1]["clip_ratio/region_mean"] > 0 or one["steps"][3]["clip_ratio/region_mean"] > 0
     assert_same_training(ranks, one, weight_atol=1e-5)

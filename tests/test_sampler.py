@@ -87,3 +87,37 @@ def test_resumes_on_other_numbers_of_ranks_train_each_sample_once(runs, group_by
         position = (samples, order_batch, ready)
     counted = [i for i in trained if i >= 0]  # marked repeats (evening out the last batch) count no token
     assert sorted(counted) == list(range(len(lengths)))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_repeated_windows_give_each_window_again_and_resume_inside_one(world: int) -> None:
+    """``repeats`` 3, ``window`` 2 batches of 3: a rank's order padded with marked repeats to whole
+    windows, each window given 3 times in a row; resumed after any number of batches (inside a
+    window's repeats too), the rest is what the uninterrupted sampler gives."""
+    lengths = LENGTHS[:23]
+    samplers = [
+        InstructSampler(lengths, batch_size=3, num_replicas=world, rank=r, repeats=3, window=2, seed=5)
+        for r in range(world)
+    ]
+    for sampler in samplers:
+        plain = InstructSampler(lengths, batch_size=3, num_replicas=world, rank=sampler.rank, seed=5)
+        order, given = list(plain), list(sampler)
+        assert len(given) == len(sampler) and len(given) % (3 * 2 * 3) == 0
+        windows = [given[k : k + 6] for k in range(0, len(given), 6)]
+        assert all(windows[k] == windows[k + 1] == windows[k + 2] for k in range(0, len(windows), 3))
+        real = [i for w in windows[::3] for i in w if i >= 0]
+        assert real == order[: len(real)] and set(order) - set(real) <= {i for i in order if i < 0}
+        marked = [i for w in windows[::3] for i in w if i < 0]
+        assert all(-1 - i in range(23) for i in marked)  # marked once, never a marked index's mark
+        for batches in range(len(given) // 3 + 1):
+            samples, order_batch, within = _placed(sampler, batches)
+            resumed = InstructSampler(
+                lengths, batch_size=3, num_replicas=world, rank=sampler.rank, repeats=3, window=2, seed=5
+            )
+            resumed.resume_at(0, samples, order_batch, batches, within)
+            assert list(resumed) == given[batches * 3 :], batches
+
+
+def _placed(sampler: InstructSampler, batches: int) -> tuple[int, int, int]:
+    list(sampler)  # an epoch's iteration sets its position
+    return sampler.place(0, batches)

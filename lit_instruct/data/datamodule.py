@@ -424,6 +424,19 @@ class InstructDataModule(L.LightningDataModule):
             Rejects(rows=rows).write(path)
             rank_zero_info(f"lit-instruct data: {len(rows)} bad records skipped, listed in {path}")
 
+    def repeat_windows(self, repeats: int) -> None:
+        """Give each optimizer step's batches (its accumulation window) ``repeats`` times in a row:
+        online RL's ``num_iterations``, set by the module from its objective."""
+        if repeats == 1:
+            return
+        if not isinstance(self.feed, SampledFeed):
+            raise ConfigError(
+                "data.streaming",
+                f"true cannot be combined with num_iterations={repeats} (each window of prompts is "
+                "given again for each iteration; a stream gives each once): set data.streaming: false",
+            )
+        self.feed.repeats = repeats
+
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data (the feed's place), while fitting."""
         trainer = self.trainer

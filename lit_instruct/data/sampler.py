@@ -29,6 +29,10 @@ class InstructSampler(DistributedSampler):
     than ``ceil(w_s)`` times, and a weight below 1 takes a different subset each epoch); with
     ``replacement`` they are drawn independently. The draw is then ordered as above.
 
+    With ``repeats`` ``R`` > 1 (online RL's ``num_iterations``: each rollout trains ``R`` optimizer
+    steps), a rank's order is padded with marked repeats to whole windows of ``window`` batches (an
+    optimizer step's accumulation) and each window is given ``R`` times in a row.
+
     :meth:`resume_at` makes the next iteration over that epoch start after the batches already
     trained on. Being a ``DistributedSampler``, Lightning uses it as it is under DDP.
 
@@ -43,6 +47,8 @@ class InstructSampler(DistributedSampler):
         sources: the source index of each sample (for ``weights``).
         weights: per source, how many times each of its samples is drawn per epoch on average.
         replacement: draw a mixture's samples with replacement.
+        repeats: how many times each window is given in a row (``R``).
+        window: batches per window (the accumulation of one optimizer step).
     """
 
     def __init__(
@@ -58,9 +64,16 @@ class InstructSampler(DistributedSampler):
         sources: Sequence[int] | None = None,
         weights: Sequence[float] | None = None,
         replacement: bool = False,
+        repeats: int = 1,
+        window: int = 1,
     ) -> None:
         if batch_size < 1 or group_size < 1:
             raise ValueError(f"batch_size and group_size must be >= 1, got {batch_size}, {group_size}")
+        if repeats < 1 or window < 1:
+            raise ValueError(f"repeats and window must be >= 1, got {repeats}, {window}")
+        self.repeats, self.window = repeats, window
+        self.repeat_skip = 0
+        """Batches of the repeated stream skipped at the start (a resume inside a window's repeats)."""
         lengths = list(lengths)
         # DistributedSampler only takes len() of its dataset: the lengths list stands in for it.
         super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)  # type: ignore[arg-type]
@@ -69,6 +82,7 @@ class InstructSampler(DistributedSampler):
         self.group_by_length = group_by_length
         self.group_size = group_size
         self._resume: tuple[int, int, int, int] | None = None
+        self._resume_skip = 0
         self.position: tuple[int, int, int, int] = (-1, 0, batch_size * num_replicas, 0)
         """The epoch being iterated, its samples skipped at the start, its order's global batch, and
         Lightning's count of batches done before them."""
@@ -105,21 +119,37 @@ class InstructSampler(DistributedSampler):
             pool += [members[i] for i in picks[:draws]]
         return pool
 
-    def resume_at(self, epoch: int, samples_done: int, order_batch: int, batches_done: int) -> None:
+    def resume_at(
+        self, epoch: int, samples_done: int, order_batch: int, batches_done: int, repeat_skip: int = 0
+    ) -> None:
         """When epoch ``epoch`` is iterated next, start after the first ``samples_done`` samples of its
         global order, grouped by ``order_batch`` (the global batch of the run that began the epoch,
         kept for the whole epoch); ``batches_done``: the batches Lightning counts as done (its restored
         progress), from which the next checkpoint's position is counted on. The rest of the epoch is
-        shared out in this sampler's global batches (another number of ranks or batch size too)."""
+        shared out in this sampler's global batches (another number of ranks or batch size too);
+        ``repeat_skip``: batches already given of the window that ``samples_done`` starts (``repeats``)."""
         self._resume = (epoch, samples_done, order_batch, batches_done)
+        self._resume_skip = repeat_skip
 
     def samples_done(self, epoch: int, batches_ready: int) -> tuple[int, int]:
         """Where epoch ``epoch`` stands after Lightning's ``batches_ready`` batches: the samples of its
         global order done, and the global batch that order is grouped by."""
+        return self.place(epoch, batches_ready)[:2]
+
+    def place(self, epoch: int, batches_ready: int) -> tuple[int, int, int]:
+        """:meth:`samples_done`'s two, and the batches given of the window being repeated (0 when
+        ``repeats`` is 1 or at a window's start)."""
         here, offset, order_batch, before = self.position
+        own_batch = self.batch_size * self.num_replicas
+        skip = self.repeat_skip
         if here != epoch:
-            return batches_ready * self.batch_size * self.num_replicas, self.batch_size * self.num_replicas
-        return offset + (batches_ready - before) * self.batch_size * self.num_replicas, order_batch
+            offset, order_batch, before, skip = 0, own_batch, 0, 0
+        given = skip + batches_ready - before
+        span = self.window * self.repeats  # batches of the stream per window
+        windows, within = divmod(given, span)
+        if self.repeats == 1:
+            return offset + given * own_batch, order_batch, 0
+        return offset + windows * self.window * own_batch, order_batch, within
 
     def global_order(self, epoch: int, global_batch: int | None = None) -> list[int]:
         """All ranks' samples of ``epoch``, in global-batch order (before padding); with
@@ -162,13 +192,30 @@ class InstructSampler(DistributedSampler):
         # after Lightning has set the epoch and restored a checkpoint.
         own_batch = self.batch_size * self.num_replicas
         resume, self._resume = self._resume, None
+        skip, self._resume_skip = self._resume_skip, 0
         if resume is not None and resume[0] > self.epoch:
-            self._resume = resume  # a later epoch's: kept for it
+            self._resume, self._resume_skip = resume, skip  # a later epoch's: kept for it
         if resume is None or resume[0] != self.epoch:
-            resume = (self.epoch, 0, own_batch, 0)
-        self.position = resume
+            resume, skip = (self.epoch, 0, own_batch, 0), 0
+        self.position, self.repeat_skip = resume, skip
         _, offset, order_batch, _ = resume
-        yield from self.rank_share(self.global_order(self.epoch, order_batch)[offset:])
+        order = self.global_order(self.epoch, order_batch)
+        if order_batch == own_batch and offset % (own_batch * self.window) == 0:
+            # as the epoch was begun: the same batches, its padding repeats too
+            skip += offset // own_batch * self.repeats
+            offset = 0
+        yield from self.repeated(self.rank_share(order[offset:]))[skip * self.batch_size :]
+
+    def repeated(self, order: list[int]) -> list[int]:
+        """``order`` padded to whole windows with marked repeats, each window given ``repeats`` times
+        (``order`` itself when ``repeats`` is 1)."""
+        if self.repeats == 1 or not order:
+            return order
+        span = self.window * self.batch_size
+        starts = [order[i % len(order)] for i in range(-len(order) % span)]
+        order = order + [padding_index(i) if i >= 0 else i for i in starts]  # marked once only
+        windows = [order[start : start + span] for start in range(0, len(order), span)]
+        return [i for window in windows for _ in range(self.repeats) for i in window]
 
     def __len__(self) -> int:
         """Samples this rank takes in an epoch, at least. Lightning reads it once, as its count of an
@@ -176,7 +223,8 @@ class InstructSampler(DistributedSampler):
         ranks or batch size, the epoch holds those plus the share of what is left, which may be more
         (the loader ends an epoch where its samples end, never before)."""
         if self._resume is None:
-            return self.num_samples
+            return len(self.repeated(list(range(self.num_samples))))
         epoch, offset, order_batch, before = self._resume
-        left = self.rank_share(self.global_order(epoch, order_batch)[offset:])
-        return max(self.num_samples, before * self.batch_size + len(left))
+        left = self.repeated(self.rank_share(self.global_order(epoch, order_batch)[offset:]))
+        left = left[self._resume_skip * self.batch_size :]
+        return max(len(self.repeated(list(range(self.num_samples)))), before * self.batch_size + len(left))

@@ -17,6 +17,7 @@ from lit_instruct.data.sources import DataSource
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.stream import START, Position, SampleStream, StreamCollator
 from lit_instruct.data.tokenize import TokenizeSettings
+from lit_instruct.errors import ConfigError
 from lit_instruct.rng import gather_objects
 
 Collate = Callable[[list[Any]], dict[str, Any]]
@@ -50,6 +51,9 @@ class SampledFeed:
     def __init__(self, seed: int, group_by_length: bool, replacement: bool) -> None:
         self.seed = seed
         self.group_by_length, self.replacement = group_by_length, replacement
+        self.repeats = 1
+        """How many optimizer steps each window of batches is given for (online RL's
+        ``num_iterations``: the module sets it from its objective)."""
         self.sampler: InstructSampler | None = None
         self._resume: dict[str, Any] | None = None
 
@@ -64,6 +68,7 @@ class SampledFeed:
         """The training loader; sources are mixed by ``weights`` when any differs from 1."""
         rank, world = _rank(trainer)
         mixture = any(w != 1.0 for w in weights)
+        window = trainer.accumulate_grad_batches if trainer is not None else 1
         self.sampler = InstructSampler(
             samples.lengths.tolist(),
             batch_size,
@@ -74,13 +79,16 @@ class SampledFeed:
             sources=samples.source_ids.tolist() if mixture else None,
             weights=weights if mixture else None,
             replacement=self.replacement,
+            repeats=self.repeats,
+            window=window,
         )
         if self._resume is not None:  # checkpoints before positions in samples give batches of their own size
             state, ours = self._resume, batch_size * world
             written = (state.get("batch_size") or batch_size) * (state.get("num_replicas") or world)
             done = state.get("samples_done", state["batches_done"] * written)
             order_batch = state.get("order_batch") or (written if "batch_size" in state else ours)
-            self.sampler.resume_at(state["epoch"], done, order_batch, state["batches_done"])
+            skip = _repeat_skip(state, batch_size, world, window, self.repeats)
+            self.sampler.resume_at(state["epoch"], done, order_batch, state["batches_done"], skip)
         dataset: Any = UncountedPadding(samples)  # the sampler's repeats run but count no token
         return PositionKeptLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate)
 
@@ -90,8 +98,21 @@ class SampledFeed:
         global order, so that another number of ranks or batch size resumes it (and again after)."""
         done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         assert self.sampler is not None
-        samples, order_batch = self.sampler.samples_done(trainer.current_epoch, done)
-        state = {"epoch": trainer.current_epoch, "batches_done": done, "samples_done": samples}
+        samples, order_batch, within = self.sampler.place(trainer.current_epoch, done)
+        state: dict[str, Any] = {
+            "epoch": trainer.current_epoch,
+            "batches_done": done,
+            "samples_done": samples,
+        }
+        if within:  # inside a window's repeats: resumable only as it was given
+            sampler = self.sampler
+            state["repeat"] = {
+                "batch_size": sampler.batch_size,
+                "num_replicas": sampler.num_replicas,
+                "window": sampler.window,
+                "repeats": sampler.repeats,
+                "within": within,
+            }
         return {**state, "order_batch": order_batch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -103,6 +124,30 @@ class SampledFeed:
 
     def rejects_after_fit(self) -> list[dict[str, Any]]:
         return []  # reported at setup, when the samples were prepared
+
+
+def _repeat_skip(state: dict[str, Any], batch_size: int, world: int, window: int, repeats: int) -> int:
+    """The batches to skip of the window a checkpoint stopped inside of (0 at a window's start);
+    inside one, the run must give windows as it did (a ``ConfigError`` naming what differs)."""
+    given = state.get("repeat")
+    if not given:
+        return 0
+    now = {"batch_size": batch_size, "num_replicas": world, "window": window, "repeats": repeats}
+    names = {
+        "batch_size": "data.batch_size",
+        "num_replicas": "the number of processes",
+        "window": "trainer.accumulate_grad_batches",
+        "repeats": "model.objective.init_args.num_iterations",
+    }
+    for key, name in names.items():
+        if given[key] != now[key]:
+            raise ConfigError(
+                name,
+                f"{now[key]}: the checkpoint stopped inside a rollout's num_iterations steps, given "
+                f"with {name} = {given[key]}; resume with the same (or from a checkpoint at a multiple "
+                "of num_iterations steps)",
+            )
+    return int(given["within"])
 
 
 class StreamedFeed:

@@ -88,6 +88,20 @@ class Objective:
         """Whether :meth:`sums` scores the batch with the reference model too."""
         return False
 
+    @property
+    def window_repeats(self) -> int:
+        """For how many optimizer steps each window of batches trains (online RL's
+        ``num_iterations``): the data module gives each window that many times in a row."""
+        return 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank's objective beyond its settings (a rollout reused
+        by the steps after it)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take back :meth:`state_dict`'s."""
+
     def check(self, settings: Mapping[str, Any]) -> None:
         """Refuse a module setting (``settings``: the module's arguments by name) that cannot work with
         this objective, naming both (:class:`~lit_instruct.errors.ConfigError`): before any weight

@@ -87,7 +87,13 @@ class OnlineObjective(Objective):
         mask_truncated_completions: bool,
         on_reward_error: OnError,
         seed: int,
+        num_iterations: int = 1,
     ) -> None:
+        if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
+            raise ConfigError(
+                f"{GROUP}.num_iterations",
+                f"must be 1 or more (optimizer steps per rollout), got {num_iterations!r}",
+            )
         if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
             raise ConfigError(
                 f"{GROUP}.num_generations",
@@ -121,6 +127,9 @@ class OnlineObjective(Objective):
         self.mask_truncated_completions = mask_truncated_completions
         self.on_reward_error = on_reward_error
         self.seed = seed
+        self.num_iterations = num_iterations
+        self._kept: dict[str, Any] = {"step": -1, "rank": 0, "items": {}}
+        """The rollouts of the last sampling step (``num_iterations`` > 1), by micro-batch index."""
         reward_sums = [
             f"rewards/{r.name}/{part}" for r in self.reward_list for part in ("sum", "square", "count")
         ]
@@ -148,17 +157,25 @@ class OnlineObjective(Objective):
         settings = SamplingSettings(self.max_completion_length, self.temperature, self.top_p, self.top_k)
         self.sampler = sampler or TransformersSampler(settings, [tokenizer.eos_token_id], pad)
 
-    def _seed(self, policy: Policy, training: bool) -> int:
-        """A seed per micro-batch: from ``seed``, the step, the micro-batch within it and the rank."""
+    @property
+    def window_repeats(self) -> int:
+        return self.num_iterations
+
+    def _place(self, policy: Policy, training: bool) -> tuple[int, int, int]:
+        """The optimizer step, this micro-batch's index within it and the rank."""
         trainer = getattr(policy, "_trainer", None)
         step = trainer.global_step if trainer is not None else 0
         rank = trainer.global_rank if trainer is not None else 0
         key = (training, step)
         index = self._calls.get(key, 0)
         self._calls = {key: index + 1}
+        return step, index, rank
+
+    def _seed(self, training: bool, step: int, index: int, rank: int) -> int:
+        """A seed per micro-batch: from ``seed``, the step, the micro-batch within it and the rank."""
         return zlib.crc32(f"{self.seed}/{int(training)}/{step}/{index}/{rank}".encode()) & 0x7FFFFFFF
 
-    def roll_out(self, policy: Policy, batch: Mapping[str, Any], training: bool) -> Rollout:
+    def roll_out(self, policy: Policy, batch: Mapping[str, Any], training: bool, seed: int) -> Rollout:
         """Sample, decode, score and lay out a micro-batch of prompts (``batch``: a
         :class:`~lit_instruct.data.prompts.PromptCollator`'s)."""
         if self.sampler is None:
@@ -171,7 +188,7 @@ class OnlineObjective(Objective):
         assert self.sampler is not None
         g = self.num_generations
         started = time.perf_counter()
-        completions = self.sampler.sample(policy.model, batch["prompt_ids"], g, self._seed(policy, training))
+        completions = self.sampler.sample(policy.model, batch["prompt_ids"], g, seed)
         if training:
             self.sampling_seconds += time.perf_counter() - started
             self.sampled_tokens += sum(len(c.ids) for c in completions)
@@ -233,11 +250,17 @@ class OnlineObjective(Objective):
                 f"{self.name} takes prompts: batches of an InstructDataModule(batch_kind='prompts')"
             )
         training = bool(getattr(policy.model, "training", True))
-        rollout = self.roll_out(policy, batch, training)
-        rows = rollout.batch
-        device = policy.device
-        rows = {k: v.to(device) if torch.is_tensor(v) else v for k, v in rows.items()}
-        rows["advantages"] = self.advantages(policy, rows).to(device)
+        step, index, rank = self._place(policy, training)
+        if training and step % self.num_iterations:  # a later iteration: the kept rollout, as it was
+            rollout = self._reused(step - step % self.num_iterations, index, rank, batch)
+            rows = _on(rollout.batch, policy.device)
+        else:
+            rollout = self.roll_out(policy, batch, training, self._seed(training, step, index, rank))
+            rows = _on(rollout.batch, policy.device)
+            rows["advantages"] = self.advantages(policy, rows).to(policy.device)
+            if training and self.num_iterations > 1:  # the policy's log-probs now: the "old" ones after
+                self._old_logps(policy, rows)
+                self._keep_rollout(step, index, rank, batch, rows, rollout)
         if training:
             self._keep(batch, rows)
         loss = self.loss_sums(policy, rows)
@@ -245,6 +268,58 @@ class OnlineObjective(Objective):
         assert loss.metric_sums is not None
         metric_sums = torch.cat([loss.metric_sums, rollout.sums.to(loss.metric_sums.device)])
         return ObjectiveSums(loss.loss_sum, loss.count, metric_sums, loss.answer_tokens, loss.aux)
+
+    def _old_logps(self, policy: Policy, rows: dict[str, Any]) -> None:
+        """The log-probs a rollout's later iterations take as the old policy's (and the reference's)."""
+        if "old_logps" not in rows:
+            rows["old_logps"] = completion_logps(policy, rows, self.temperature)
+        if self.needs_reference and "reference_logps" not in rows:
+            rows["reference_logps"] = reference_logps(policy, rows, self.temperature)
+
+    def _keep_rollout(
+        self,
+        step: int,
+        index: int,
+        rank: int,
+        batch: Mapping[str, Any],
+        rows: dict[str, Any],
+        rollout: Rollout,
+    ) -> None:
+        """Keep a sampling step's micro-batch rollout for the ``num_iterations - 1`` steps after it."""
+        if self._kept["step"] != step or index == 0:
+            self._kept = {"step": step, "rank": rank, "items": {}}
+        self._kept["items"][index] = {
+            "prompt_ids": [list(p) for p in batch["prompt_ids"]],
+            "rows": {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in rows.items()},
+            "sums": rollout.sums,
+            "tokens": rollout.tokens,
+        }
+
+    def _reused(self, step: int, index: int, rank: int, batch: Mapping[str, Any]) -> Rollout:
+        """The rollout sampled at ``step`` for micro-batch ``index``; refused unless the batch holds the
+        same prompts (the data gives each window ``num_iterations`` times: ``InstructDataModule`` does)."""
+        kept = self._kept
+        item = kept["items"].get(index) if kept["step"] == step and kept["rank"] == rank else None
+        if item is None:
+            raise RuntimeError(
+                f"{self.name}: num_iterations={self.num_iterations} reuses the rollout of step {step}, "
+                f"and none is kept for micro-batch {index} (resumed from a checkpoint without it?)"
+            )
+        if [list(p) for p in batch["prompt_ids"]] != item["prompt_ids"]:
+            raise RuntimeError(
+                f"{self.name}: num_iterations={self.num_iterations} trains each rollout for "
+                f"{self.num_iterations} optimizer steps, but the batch of step {step + 1} holds other "
+                "prompts than the one sampled for it: the data must give each window of batches "
+                f"{self.num_iterations} times (InstructDataModule does, with the module's setup)"
+            )
+        return Rollout(dict(item["rows"]), item["sums"], item["tokens"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollouts": self._kept} if self.num_iterations > 1 else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "rollouts" in state:
+            self._kept = dict(state["rollouts"])
 
     def _keep(self, batch: Mapping[str, Any], rows: Mapping[str, Any]) -> None:
         """The micro-batch's completions as rows of text (``last_rollout``)."""
@@ -307,6 +382,11 @@ def layout(
     }
 
 
+def _on(rows: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """``rows`` with its tensors on ``device``."""
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in rows.items()}
+
+
 def _mean_std(total: float, square: float, count: float) -> tuple[float, float]:
     """The mean and unbiased standard deviation from a sum, a sum of squares and a count."""
     if count < 1:
@@ -361,13 +441,8 @@ class GRPO(OnlineObjective):
             mask_truncated_completions,
             on_reward_error,
             seed,
+            num_iterations,
         )
-        if num_iterations != 1:
-            raise ConfigError(
-                f"{GROUP}.num_iterations",
-                f"{num_iterations}: reusing one rollout for several optimizer steps is not built yet (1: "
-                "each step samples its own)",
-            )
         if scale_rewards not in ("group", "batch", "none"):
             raise ConfigError(
                 f"{GROUP}.scale_rewards", f"must be group, batch or none, got {scale_rewards!r}"
@@ -394,7 +469,6 @@ class GRPO(OnlineObjective):
         self.importance_sampling_level = importance_sampling_level
         self.delta = delta
         self.use_bias_correction_kl = use_bias_correction_kl
-        self.num_iterations = num_iterations
         self.sequence_clips = importance_sampling_level == "sequence"
         self.count_name = {  # type: ignore[misc]  # what this loss type averages over
             "grpo": "completions",
@@ -436,6 +510,7 @@ class RLOO(OnlineObjective):
         epsilon_high: float | None = None,
         normalize_advantages: bool = False,
         mask_truncated_completions: bool = False,
+        num_iterations: int = 1,
         on_reward_error: OnError = "raise",
         seed: int = 0,
     ) -> None:
@@ -449,6 +524,7 @@ class RLOO(OnlineObjective):
             mask_truncated_completions,
             on_reward_error,
             seed,
+            num_iterations,
         )
         self.beta = beta
         self.epsilon = epsilon

@@ -39,6 +39,7 @@ from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_st
 from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.objectives import Objective, ObjectiveName, ObjectiveSums, PairObjective, resolve_objective
 from lit_instruct.precision import AUTO, auto_precision, is_bf16
+from lit_instruct.rng import gather_states
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
 from lit_instruct.train.nonfinite import SkipNonFiniteSteps
@@ -73,6 +74,7 @@ LOSS_ON = {
 """What the model card says the loss was computed on, by the objective's batch kind."""
 
 EVA_RANKS_KEY = "eva_ranks"
+OBJECTIVE_STATE_KEY = "objective_state"
 """Checkpoint entry of the ranks EVA's data pass gave each adapted layer (a resume rebuilds with them)."""
 
 
@@ -305,6 +307,9 @@ class InstructLoRAModule(L.LightningModule):
             )
         if stage == "fit":
             self._check_adapter_folder()
+            repeat_windows = getattr(datamodule, "repeat_windows", None)
+            if self.objective.window_repeats > 1 and callable(repeat_windows):
+                repeat_windows(self.objective.window_repeats)  # each rollout trains several steps
         if self.dtype_chosen:
             self._match_trainer_precision()
         if self.eva_pending and stage == "fit":
@@ -613,6 +618,8 @@ class InstructLoRAModule(L.LightningModule):
         checkpoint["tokens_seen"] = (self.tokens_seen, self.response_tokens_seen)
         if self.eva_ranks is not None:
             checkpoint[EVA_RANKS_KEY] = dict(self.eva_ranks)
+        if self.objective.window_repeats > 1:  # every rank's rollout, reused by the steps after it
+            checkpoint[OBJECTIVE_STATE_KEY] = gather_states(self.objective.state_dict())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Complete the stored adapter weights with the frozen base already loaded, so that loading
@@ -620,6 +627,9 @@ class InstructLoRAModule(L.LightningModule):
         strategy has loaded the adapter weights already.)"""
         self.tokens_seen, self.response_tokens_seen = checkpoint.get("tokens_seen", (0, 0))
         check_eva_ranks(checkpoint.get(EVA_RANKS_KEY), self.eva_ranks)
+        states = checkpoint.get(OBJECTIVE_STATE_KEY) or []
+        rank = self.global_rank
+        self.objective.load_state_dict(states[rank] if rank < len(states) else {})
         if self._sharded:
             return
         trainable = self._trainable_names()
