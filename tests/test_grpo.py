@@ -200,6 +200,29 @@ def test_one_rloo_step_equals_trls(tiny_model_dir, tokenizer, tmp_path) -> None:
     assert_same(ours, trl, ("reward", "entropy", "kl"))
 
 
+SMOLLM2_CASES = {
+    "gspo-kl": ("grpo", dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04)),
+    "rloo-kl": ("rloo", dict(beta=0.05)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SMOLLM2_CASES))
+def test_one_step_on_smollm2_equals_trls(case, smollm2_path, tokenizer, tmp_path) -> None:
+    """The real SmolLM2-135M-Instruct (its chat template, tied lm_head, 30 layers): one whole step of
+    TRL's trainer and ours on the same prompts and completions, fp32."""
+    kind, config = SMOLLM2_CASES[case]
+    rewards = [exact_answer, BOXED]
+    theirs, dataset = trl_trainer(kind, smollm2_path, tokenizer, tmp_path, rewards, **config)
+    batch = prompt_batch(smollm2_path, tmp_path)
+    trl = run_theirs(theirs, dataset, tokenizer, batch)
+    objective_class = GRPO if kind == "grpo" else RLOO
+    objective = objective_class(rewards=rewards, num_generations=2, max_completion_length=32, **config)
+    ours = run_ours(objective, theirs, smollm2_path, tokenizer, batch)
+    names = ("reward", "reward_std", "entropy") + (("kl",) if config.get("beta") else ())
+    assert_same(ours, trl, names)
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
