@@ -318,14 +318,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         ("alpaca", "pairs"),
     ),
     Conflict(
-        "trainer.strategy",
-        "data.batch_kind",
-        lambda strategy, kind: kind == "prompts" and _strategy(strategy) in FSDP_STRATEGIES,
-        "sampling from a sharded model is not built yet (each of its forwards is a collective, and "
-        "ranks stop generating at different lengths): use ddp_lora, which samples on every rank",
-        ("fsdp_lora", "prompts"),
-    ),
-    Conflict(
         "data.streaming",
         "trainer.max_steps",
         lambda streaming, steps: bool(streaming) and steps in (None, -1),

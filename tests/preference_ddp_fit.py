@@ -6,9 +6,11 @@ Optional: ``objective`` (``dpo``, the default, or ``kto`` / ``kto-apo``: KTO, or
 ``apo_zero_unpaired`` loss, on the pairs read as unpaired answers), ``strategy`` (default
 ``ddp_lora``), ``adapter`` (an SFT adapter to continue from; else
 fresh adapters with LoRA B drawn, so that the policy is not its reference), ``batch_size`` (2),
-``nan_loss_at`` (optimizer steps, 0-based) with ``fault_rank``, ``low_memory_load``, ``ckpt_every``
-(checkpoints into ``out``), ``ckpt_path``, ``precompute_reference``; ``then_precompute``: fit again
-in the same processes with ``precompute_reference`` (results under ``precomputed``).
+``nan_loss_at`` (optimizer steps, 0-based) with ``fault_rank``, ``sample`` (GRPO samples from the
+policy, else :class:`PromptSampler`), ``num_iterations`` (GRPO), ``validate`` (default true),
+``low_memory_load``, ``ckpt_every`` (checkpoints into ``out``), ``ckpt_path``,
+``precompute_reference``; ``then_precompute``: fit again in the same processes with
+``precompute_reference`` (results under ``precomputed``).
 
 :func:`start_two_processes` starts both ranks (``LOCAL_RANK`` set: Lightning launches none); each
 writes ``<out>/rank<r>.pt`` (:func:`fit`'s results). :func:`fit` called in a test runs the
@@ -103,8 +105,9 @@ class StepRecorder(L.Callback):
 
 
 def length_reward(prompts, completions, completion_ids, **columns) -> list[float]:
-    """GRPO's test reward: a completion's tokens over 4 (its group's completions differ in length)."""
-    return [len(ids) / 4 for ids in completion_ids]
+    """GRPO's test reward: a completion's tokens over 4, plus its first token modulo 3 over 3 (a
+    group's completions differ: :class:`PromptSampler`'s in length, sampled ones in tokens)."""
+    return [len(ids) / 4 + (ids[0] % 3) / 3 for ids in completion_ids]
 
 
 class PromptSampler:
@@ -173,7 +176,7 @@ def setup(args: dict[str, Any], batch_size: int) -> tuple[InstructLoRAModule, In
         batch_size=batch_size,
         eval_batch_size=2,
     )
-    if prompts:  # completions that depend on the prompt only: the same on any rank
+    if prompts and not args.get("sample"):  # completions that depend on the prompt only
         tokenizer = data.load_tokenizer()
         module.objective.bind(tokenizer, PromptSampler(tokenizer.eos_token_id))
     return module, data
@@ -202,6 +205,7 @@ def fit(args: dict[str, Any], devices: int = 2, accumulate_grad_batches: int = 1
         enable_model_summary=False,
         default_root_dir=args["out"],
         callbacks=[skip, recorder, *checkpoints],
+        limit_val_batches=None if args.get("validate", True) else 0,
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks' (whatever the load): the same reductions in every process

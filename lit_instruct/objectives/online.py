@@ -171,9 +171,14 @@ class OnlineObjective(Objective):
         self._calls = {key: index + 1}
         return step, index, rank
 
-    def _seed(self, training: bool, step: int, index: int, rank: int) -> int:
-        """A seed per micro-batch: from ``seed``, the step, the micro-batch within it and the rank."""
-        return zlib.crc32(f"{self.seed}/{int(training)}/{step}/{index}/{rank}".encode()) & 0x7FFFFFFF
+    def _seed(self, policy: Policy, training: bool, step: int, index: int, rank: int) -> int:
+        """A seed per micro-batch: from ``seed``, the step and the micro-batch's place in the step's
+        global batches (micro-batch ``i`` of rank ``r`` of ``W``: ``i * W + r``, the place one process
+        accumulating ``W`` times as many gives it: the same prompts, so the same completions)."""
+        trainer = getattr(policy, "_trainer", None)
+        world = trainer.world_size if trainer is not None else 1
+        place = index * world + rank
+        return zlib.crc32(f"{self.seed}/{int(training)}/{step}/{place}".encode()) & 0x7FFFFFFF
 
     def roll_out(self, policy: Policy, batch: Mapping[str, Any], training: bool, seed: int) -> Rollout:
         """Sample, decode, score and lay out a micro-batch of prompts (``batch``: a
@@ -188,7 +193,8 @@ class OnlineObjective(Objective):
         assert self.sampler is not None
         g = self.num_generations
         started = time.perf_counter()
-        completions = self.sampler.sample(policy.model, batch["prompt_ids"], g, seed)
+        with policy.sampling_model() as model:
+            completions = self.sampler.sample(model, batch["prompt_ids"], g, seed)
         if training:
             self.sampling_seconds += time.perf_counter() - started
             self.sampled_tokens += sum(len(c.ids) for c in completions)
@@ -255,7 +261,7 @@ class OnlineObjective(Objective):
             rollout = self._reused(step - step % self.num_iterations, index, rank, batch)
             rows = _on(rollout.batch, policy.device)
         else:
-            rollout = self.roll_out(policy, batch, training, self._seed(training, step, index, rank))
+            rollout = self.roll_out(policy, batch, training, self._seed(policy, training, step, index, rank))
             rows = _on(rollout.batch, policy.device)
             rows["advantages"] = self.advantages(policy, rows).to(policy.device)
             if training and self.num_iterations > 1:  # the policy's log-probs now: the "old" ones after

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lit_instruct.distributed import is_sharded
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -41,7 +43,9 @@ class Sampler(Protocol):
 
 class TransformersSampler:
     """Samples with the model in memory: prompts left-padded into one batch, ``generate`` with the KV
-    cache, in eval mode (no dropout), the RNG forked and seeded so training's stream is untouched."""
+    cache, in eval mode (no dropout), the RNG forked and seeded so training's stream is untouched.
+    A model sharded over ranks (FSDP: each forward gathers the weights, a collective) decodes in step
+    on every rank until all have stopped (``generate``'s ``synced_gpus``)."""
 
     def __init__(self, settings: SamplingSettings, stop_ids: list[int], pad_id: int) -> None:
         self.settings = settings
@@ -75,6 +79,7 @@ class TransformersSampler:
                     eos_token_id=self.stop_ids,
                     pad_token_id=self.pad_id,
                     use_cache=True,
+                    synced_gpus=_sharded(model),
                 )
         finally:
             model.train(was_training)
@@ -86,3 +91,12 @@ class TransformersSampler:
             if token in stops:
                 return Completion(ids[: index + 1], False)
         return Completion(ids, True)
+
+
+def _sharded(model: Any) -> bool:
+    """Whether ``model`` holds weights sharded over several ranks (DTensors of FSDP2)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    return any(is_sharded(p) for p in model.parameters())

@@ -15,10 +15,13 @@ shard by mistake.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from lit_instruct.distributed import full_tensor, is_sharded
 from lit_instruct.models.decoder import decoder_of
 
 HYBRID_DIMS = ("replicate", "shard")
@@ -53,6 +56,27 @@ def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> Non
         head.weight = decoder.get_input_embeddings().weight
     elif head is not None:
         fully_shard(head, mesh=mesh)
+
+
+@contextmanager
+def whole_tied_head(base: Any) -> Iterator[None]:
+    """For the head's own forward (generation): a head tied to the sharded input embedding computes
+    with the whole weight, gathered once (a collective: every rank enters) and put back after. A head
+    sharded in a group of its own gathers itself in its forward, and an unsharded one needs nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    head = base.get_output_embeddings()
+    if head is None or isinstance(head, FSDPModule) or not is_sharded(head.weight):
+        yield
+        return
+    shard = head.weight
+    whole = full_tensor(shard)
+    assert whole is not None
+    head.weight = torch.nn.Parameter(whole.detach(), requires_grad=False)
+    try:
+        yield
+    finally:
+        head.weight = shard
 
 
 def gathered_trainable_state(module: torch.nn.Module) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -41,7 +41,13 @@ from lit_instruct.objectives import Objective, ObjectiveName, ObjectiveSums, Pai
 from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.rng import gather_states
 from lit_instruct.train.fit_report import FitReport
-from lit_instruct.train.fsdp import fill_from_rank_zero, gathered_trainable_state, shard_model, sharding_mesh
+from lit_instruct.train.fsdp import (
+    fill_from_rank_zero,
+    gathered_trainable_state,
+    shard_model,
+    sharding_mesh,
+    whole_tied_head,
+)
 from lit_instruct.train.nonfinite import SkipNonFiniteSteps
 from lit_instruct.train.progress_bar import readable_bar
 from lit_instruct.train.reference import reference_pass, trainable_copy
@@ -486,6 +492,13 @@ class InstructLoRAModule(L.LightningModule):
         weight = full_tensor(head.weight)
         assert weight is not None
         return weight, full_tensor(bias)
+
+    @contextmanager
+    def sampling_model(self) -> Iterator[Any]:
+        """The model to ``generate`` from (online objectives): the trained model, with a head tied to
+        a sharded embedding whole for the while (FSDP; every rank enters)."""
+        with whole_tied_head(self.base_model) if self._sharded else nullcontext():
+            yield self.model
 
     @contextmanager
     def reference_model(self) -> Iterator[None]:
