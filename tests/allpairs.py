@@ -60,7 +60,8 @@ def all_pairs(
         else:
             uncovered -= pairs_of(best)
         cases.append(best)
-    return [{k: factors[k][v] for k, v in case.items()} for case in cases], lone
+    held = set().union(*(pairs_of(c) for c in cases if ok(c)))  # an accepted case found it after all
+    return [{k: factors[k][v] for k, v in case.items()} for case in cases], lone - held
 
 
 def _complete(

@@ -64,11 +64,22 @@ FACTORS: dict[str, list[Any]] = {
     "new_tokens": [None, ["<|fact|>"]],
     "precision": ["32-true", "bf16-mixed"],  # bf16: the base stored in bf16 (model.dtype: auto)
     "checkpointing": [False, True],
-    "objective": ["sft", "dpo", "kto"],  # conversations, pairs, unpaired answers with their KL rows
+    "objective": ["sft", "dpo", "kto", "grpo"],  # conversations, pairs, answers with KL rows, prompts
     "neftune": [None, 5.0],  # NEFTune's alpha (SFT only): the reference draws the step's own noise
 }
 BETA = 0.1
 """The pair objectives' β (their defaults)."""
+GRPO_BETA = 0.04
+GRPO = {
+    "class_path": "GRPO",
+    "init_args": {
+        "rewards": ["tests.preference_ddp_fit:length_reward"],
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "beta": GRPO_BETA,
+    },
+}
+"""GRPO sampling 2 completions of up to 4 tokens per prompt from the policy, with a KL term."""
 BF16_LOSS = 2e-2
 """The step's loss under bf16 vs the model's own under the same autocast: both round every GEMM to
 8 mantissa bits, in different places (the fused loss and LoRA layers vs peft's and the model's)."""
@@ -130,7 +141,7 @@ def settings_of(case: dict[str, Any], model: str, data_file: str) -> dict[str, A
             "packing": case["packing"],
             "learning_rate": 1e-3,
             "warmup_steps": 0,
-            "objective": case["objective"],
+            "objective": GRPO if case["objective"] == "grpo" else case["objective"],
             "neftune_noise_alpha": case["neftune"],
         },
         "data": {
@@ -175,7 +186,8 @@ def statically_accepted(case: dict[str, Any]) -> bool:
     try:
         refuse_conflicts(settings)
         model = {name: settings[f"model.{name}"] for name in OBJECTIVE_CHECKED if f"model.{name}" in settings}
-        OBJECTIVES[case["objective"]]().check(model)
+        arguments = GRPO["init_args"] if case["objective"] == "grpo" else {}
+        OBJECTIVES[case["objective"]](**arguments).check(model)
     except ConfigError:
         return False
     return True
@@ -227,6 +239,9 @@ def data_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     files["pairs"] = folder / "pairs.jsonl"
     pairs = [pair_record(chat, CHATS[(k + 1) % len(CHATS)]) for k, chat in enumerate(CHATS)]
     files["pairs"].write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    files["prompts"] = folder / "prompts.jsonl"
+    prompts = [{"prompt": [c for r, c in chat if r == "user"][-1], "answer": "4"} for chat in CHATS]
+    files["prompts"].write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
     return files
 
 
@@ -270,9 +285,67 @@ def pair_objective_losses(objective: str, module: Any, batch: dict[str, Any]) ->
     return float(losses.sum()), n
 
 
+def token_logps(model: Any, rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each labelled token's log-probability and the entropy of the distribution it was drawn from,
+    ``(rows, width - 1)`` each (0 elsewhere), from the model's own full logits."""
+    logits = model(input_ids=rows["input_ids"], attention_mask=rows["attention_mask"], use_cache=False).logits
+    labels = rows["labels"][:, 1:]
+    scored = labels != IGNORE_INDEX
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    entropies = -(logps.exp() * logps).sum(-1)
+    return logps.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1) * scored, entropies * scored
+
+
+def grpo_loss(module: Any, batch: dict[str, Any], completions: list[Any]) -> tuple[float, float, int]:
+    """GRPO's summed loss (``dapo``: over the completion tokens) on the completions the policy sampled
+    for ``batch``'s prompts, from the model's own forward: TRL's formulas, written out here. On policy
+    the ratio is 1: each token's loss is minus its completion's group-normalized advantage plus β
+    times the KL estimate ``exp(ref - logp) - (ref - logp) - 1`` to the adapter-off reference. (With
+    completions of one length the advantages' part sums to 0: the summed entropy is returned too.)"""
+    from tests.preference_ddp_fit import length_reward
+
+    g = GRPO["init_args"]["num_generations"]
+    prompts = [p for p in batch["prompt_ids"] for _ in range(g)]
+    rewards = torch.tensor(length_reward(None, None, [c.ids for c in completions])).view(-1, g)
+    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+    width = max(len(p) + len(c.ids) for p, c in zip(prompts, completions, strict=True))
+    ids, mask, labels = [], [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        row = prompt + completion.ids
+        pad = width - len(row)
+        ids.append(row + [0] * pad)
+        mask.append([1] * len(row) + [0] * pad)
+        labels.append([IGNORE_INDEX] * len(prompt) + completion.ids + [IGNORE_INDEX] * pad)
+    rows = {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+    rows["labels"] = torch.tensor(labels)
+    policy, entropies = token_logps(module.model, rows)
+    was_training = module.model.training
+    module.model.eval()
+    with module.model.disable_adapter():
+        reference, _ = token_logps(module.model, rows)
+    module.model.train(was_training)
+    scored = rows["labels"][:, 1:] != IGNORE_INDEX
+    delta = reference - policy
+    per_token = -advantages[:, None] + GRPO_BETA * (torch.exp(delta) - delta - 1)
+    return float((per_token * scored).sum()), float(entropies.sum()), int(scored.sum())
+
+
+class RecordingSampler:
+    """The objective's own sampler (the policy's ``generate``), keeping what it sampled last."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.last: list[Any] = []
+
+    def sample(self, model, prompt_ids, num_generations, seed):
+        self.last = self.sampler.sample(model, prompt_ids, num_generations, seed)
+        return self.last
+
+
 class StepReference(L.Callback):
     """The model's own loss on each micro-batch of the first optimizer step, before that step (the
-    pair objectives: their formulas on the model's own log-probabilities)."""
+    pair objectives: their formulas on the model's own log-probabilities; GRPO: its formula on the
+    completions the policy sampled, once they are sampled, before the backward)."""
 
     def __init__(self, precision: str, objective: str = "sft") -> None:
         self.objective = objective
@@ -280,6 +353,18 @@ class StepReference(L.Callback):
         self.sums: list[float] = []
         self.counts: list[int] = []
         self.packed: list[bool] = []
+        self.batch: dict[str, Any] = {}
+        self.entropy_sums: list[float] = []
+
+    def on_before_backward(self, trainer: L.Trainer, module: Any, loss: torch.Tensor) -> None:
+        if trainer.global_step > 0 or self.objective != "grpo":
+            return
+        bf16 = self.precision == "bf16-mixed"
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss_sum, entropy_sum, count = grpo_loss(module, self.batch, module.objective.sampler.last)
+        self.sums.append(loss_sum)
+        self.entropy_sums.append(entropy_sum)
+        self.counts.append(count)
 
     def on_train_batch_start(
         self, trainer: L.Trainer, module: Any, batch: dict[str, Any], batch_idx: int
@@ -287,6 +372,9 @@ class StepReference(L.Callback):
         if trainer.global_step > 0:
             return
         self.packed.append("packed_segments" in batch)
+        if self.objective == "grpo":  # its completions are not sampled yet
+            self.batch = batch
+            return
         bf16 = self.precision == "bf16-mixed"
         state = torch.get_rng_state()  # NEFTune: the step then draws the noise this forward drew
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -309,6 +397,10 @@ class StepReference(L.Callback):
     @property
     def loss(self) -> float:
         return sum(self.sums) / sum(self.counts)
+
+    @property
+    def entropy(self) -> float:
+        return sum(self.entropy_sums) / sum(self.counts)
 
 
 def _alone(batch: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
@@ -393,7 +485,8 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
     case: dict[str, Any], family_dirs: dict[str, Path], data_files: dict[str, Path], tmp_path: Path
 ) -> None:
     model = str(family_dirs[case["family"]])
-    data_file = data_files[case["format"] if case["objective"] == "sft" else "pairs"]
+    files = {"sft": case["format"], "grpo": "prompts"}
+    data_file = data_files[files.get(case["objective"], "pairs")]
     config = settings_of(case, model, str(data_file))
     settings = config_settings(config)
     expected_refusal = not statically_accepted(case)
@@ -401,7 +494,7 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
         check_config(config)
     except ConfigError as refusal:
         text = str(refusal)
-        leaves = [k for k, v in settings.items() if not isinstance(v, dict)]
+        leaves = [k for k, v in settings.items() if not isinstance(v, dict)] + ["model.objective"]
         named = {k for k in leaves if re.search(rf"(^|\W){re.escape(k)}\b", text)}
         assert "\n" not in text and text.startswith(tuple(f"{k}: " for k in named)), text
         assert len(named) >= 2, text  # the setting and what it cannot go with (a setting or the model)
@@ -411,6 +504,9 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
     L.seed_everything(0)
     data = InstructDataModule(**config["data"])
     module = InstructLoRAModule(**config["model"], added_tokens=data.new_token_list())
+    if case["objective"] == "grpo":  # the policy's own generate, recorded for the reference
+        module.objective.bind(data.load_tokenizer())
+        module.objective.sampler = RecordingSampler(module.objective.sampler)
     reference = StepReference(case["precision"], case["objective"])
     run = trainer(
         tmp_path,
@@ -424,7 +520,10 @@ def test_a_combination_trains_right_or_is_refused_at_config_time(
     run.fit(module, datamodule=data)
     loss = float(run.callback_metrics["train/loss"])
     assert math.isfinite(loss)
-    assert loss == pytest.approx(reference.loss, rel=BF16_LOSS if case["precision"] == "bf16-mixed" else 1e-4)
+    rel = BF16_LOSS if case["precision"] == "bf16-mixed" else 1e-4
+    assert loss == pytest.approx(reference.loss, rel=rel, abs=1e-6 if case["objective"] == "grpo" else 0)
+    if case["objective"] == "grpo":  # its loss is ~0 on policy with completions of one length
+        assert float(run.callback_metrics["train/entropy"]) == pytest.approx(reference.entropy, rel=rel)
     assert len(reference.packed) == case["accumulation"] and set(reference.packed) == {case["packing"]}
     linear, experts = adapted(module)
     expected = f"LoRA: {len(linear)} of {len(linear)} linear layers"
@@ -446,7 +545,7 @@ def test_the_pairwise_set_covers_every_pair_in_few_cases() -> None:
         if not any(case[a] == x and case[b] == y for case in CASES)
     ]
     assert missing == []
-    assert len(CASES) < 60
+    assert len(CASES) < 70
     for (a, i), (b, j) in LONE:
         alone = [c for c in CASES if c[a] == FACTORS[a][i] and c[b] == FACTORS[b][j]]
         assert alone and not any(statically_accepted(c) for c in alone), (a, i, b, j)

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lit_instruct.adapter_folder import save_adapter
-from lit_instruct.batch import num_tokens
+from lit_instruct.batch import num_tokens, prompt_rows
 from lit_instruct.distributed import full_tensor, launched_rank
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import check_replaceable, log_dir
@@ -368,7 +368,10 @@ class InstructLoRAModule(L.LightningModule):
         if datamodule is None or not hasattr(datamodule, "train_dataloader"):
             raise ValueError("model.lora.init: eva needs a datamodule: its training batches set the adapters")
         self.model.to(self.trainer.strategy.root_device)  # peft moves each batch to the model's device
-        self.initialise_eva(datamodule.train_dataloader())
+        loader = datamodule.train_dataloader()
+        if self.objective.batch_kind == "prompts":  # the prompts as rows: the inputs the policy sees
+            loader = map(prompt_rows, loader)
+        self.initialise_eva(loader)
 
     def initialise_eva(self, loader: Iterable[dict[str, Any]]) -> EvaResult:
         """Set the adapters of a ``lora.init: eva`` model from the first batches of ``loader`` (peft's
