@@ -37,6 +37,7 @@ from lit_instruct.data.preference import (
 from lit_instruct.data.prepare import hold_out
 from lit_instruct.data.records import DataError, map_columns
 from lit_instruct.data.reference_cache import ReferenceFn, compute_reference
+from lit_instruct.data.render import Sample
 from lit_instruct.data.sources import CHATTERBOT, DataSource, iter_source
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.training_feed import PositionKeptLoader
@@ -277,46 +278,59 @@ class PairBatches:
         )
         return prepared
 
+    item_name = "pair"
+    """What one record renders to, as the ``on_long_sample: raise`` message names it."""
+
     def _render(
-        self,
-        records: list[PreferenceRecord],
-        renderer: PreferenceRenderer,
-        counts: Counter[str],
-        rejects: Rejects,
-        vocab: int | None,
-    ) -> list[PreferencePair]:
-        """The pairs of ``records``; long ones truncated (counted), dropped or raised as
-        ``on_long_sample`` says, bad ones raised or skipped as ``on_bad_record`` says."""
+        self, records: list[Any], renderer: Any, counts: Counter[str], rejects: Rejects, vocab: int | None
+    ) -> list[Any]:
+        """The items (pairs, answers, prompts) of ``records``; long ones truncated (counted), dropped or
+        raised as ``on_long_sample`` says, bad ones raised or skipped as ``on_bad_record`` says."""
         policy = self.data.settings.on_long_sample
-        pairs = []
+        items = []
         for record in records:
             try:
-                pair = renderer(record)
-                for sample in (pair.chosen, pair.rejected):
-                    if vocab is not None:
+                item = renderer(record)
+                if vocab is not None:
+                    for sample in self.samples_of(item):
                         check_vocabulary(sample, vocab, renderer.renderer.tokenizer)
-                if pair.truncated and policy == "raise":
-                    longest = max(pair.chosen.full_length, pair.rejected.full_length)
+                if item.truncated and policy == "raise":
+                    longest = max(sample.full_length for sample in self.samples_of(item))
                     raise DataError(
                         record.source,
-                        f"the pair has {longest} tokens, more than max_seq_len={renderer.max_seq_len}",
+                        f"the {self.item_name} has {longest} tokens, more than "
+                        f"max_seq_len={renderer.max_seq_len}",
                         reason="too_long",
                     )
             except DataError as error:
-                rejects.handle(
-                    error, {"chosen": str(record.chosen), "rejected": str(record.rejected)}, counts
-                )
+                rejects.handle(error, self.reject_row(record), counts)
                 continue
-            if pair.truncated and policy == "drop":
+            if item.truncated and policy == "drop":
                 counts["dropped_too_long"] += 1
                 continue
-            counts["truncated"] += pair.truncated
-            cut = pair.shortest_cut_answer
-            counts[ANSWERS_CUT_SHORT] += cut is not None and cut < MIN_CUT_ANSWER_TOKENS
-            pairs.append(pair)
+            counts["truncated"] += item.truncated
+            self.count(item, counts)
+            items.append(item)
+        self.count_all(items, counts)
+        return items
+
+    def samples_of(self, pair: PreferencePair) -> tuple[Sample, ...]:
+        """The rendered samples of one item (a pair's chosen and rejected)."""
+        return pair.chosen, pair.rejected
+
+    def reject_row(self, record: PreferenceRecord) -> dict[str, str]:
+        """What the rejects file shows of a bad record."""
+        return {"chosen": str(record.chosen), "rejected": str(record.rejected)}
+
+    def count(self, pair: PreferencePair, counts: Counter[str]) -> None:
+        """An item's own counts, as it is kept."""
+        cut = pair.shortest_cut_answer
+        counts[ANSWERS_CUT_SHORT] += cut is not None and cut < MIN_CUT_ANSWER_TOKENS
+
+    def count_all(self, pairs: list[PreferencePair], counts: Counter[str]) -> None:
+        """The kept items' totals."""
         counts["pairs"] += len(pairs)
         counts["response_tokens"] += sum(p.chosen.num_targets + p.rejected.num_targets for p in pairs)
-        return pairs
 
     def nothing_to_train(self) -> ConfigError | None:
         """When every training pair's answers were cut to under :data:`MIN_CUT_ANSWER_TOKENS`

@@ -15,9 +15,10 @@ import numpy as np
 from lit_instruct.data.pair_batches import PairBatches, PairStore
 from lit_instruct.data.prompts import Prompt, PromptCollator, PromptRecord, PromptRenderer, to_prompt_record
 from lit_instruct.data.records import DataError, map_columns
+from lit_instruct.data.render import Sample
 from lit_instruct.data.sources import DataSource, iter_source
 from lit_instruct.data.store import SampleStore
-from lit_instruct.data.validation import Rejects, check_vocabulary
+from lit_instruct.data.validation import Rejects
 from lit_instruct.errors import ConfigError
 
 
@@ -62,39 +63,20 @@ class PromptBatches(PairBatches):
     def read(self, source: DataSource, rejects: Rejects, counts: Counter[str]) -> list[Any]:
         return _read_prompts(source, rejects, counts)
 
-    def _render(  # type: ignore[override]
-        self,
-        records: list[PromptRecord],
-        renderer: PromptRenderer,
-        counts: Counter[str],
-        rejects: Rejects,
-        vocab: int | None,
-    ) -> list[Prompt]:
-        policy = self.data.settings.on_long_sample
-        prompts = []
-        for record in records:
-            try:
-                prompt = renderer(record)
-                if vocab is not None:
-                    check_vocabulary(prompt.sample, vocab, renderer.renderer.tokenizer)
-                if prompt.truncated and policy == "raise":
-                    raise DataError(
-                        record.source,
-                        f"the prompt has {prompt.sample.full_length} tokens, more than "
-                        f"max_seq_len={renderer.max_seq_len}",
-                        reason="too_long",
-                    )
-            except DataError as error:
-                rejects.handle(error, {"prompt": str(record.record)}, counts)
-                continue
-            if prompt.truncated and policy == "drop":
-                counts["dropped_too_long"] += 1
-                continue
-            counts["truncated"] += prompt.truncated
-            prompts.append(prompt)
+    item_name = "prompt"
+
+    def samples_of(self, prompt: Prompt) -> tuple[Sample, ...]:  # type: ignore[override]
+        return (prompt.sample,)
+
+    def reject_row(self, record: PromptRecord) -> dict[str, str]:  # type: ignore[override]
+        return {"prompt": str(record.record)}
+
+    def count(self, prompt: Prompt, counts: Counter[str]) -> None:  # type: ignore[override]
+        """Nothing of its own."""
+
+    def count_all(self, prompts: list[Prompt], counts: Counter[str]) -> None:  # type: ignore[override]
         counts["prompts"] += len(prompts)
         counts["prompt_tokens"] += sum(len(p.sample.input_ids) for p in prompts)
-        return prompts
 
     def nothing_to_train(self) -> ConfigError | None:
         return None

@@ -15,6 +15,7 @@ import numpy as np
 
 from lit_instruct.data.pair_batches import PairBatches, PairStore
 from lit_instruct.data.records import DataError, map_columns
+from lit_instruct.data.render import Sample
 from lit_instruct.data.sources import DataSource, iter_source
 from lit_instruct.data.store import SampleStore
 from lit_instruct.data.unpaired import (
@@ -24,7 +25,7 @@ from lit_instruct.data.unpaired import (
     UnpairedRenderer,
     to_unpaired_records,
 )
-from lit_instruct.data.validation import Rejects, check_vocabulary
+from lit_instruct.data.validation import Rejects
 from lit_instruct.errors import ConfigError
 
 
@@ -84,42 +85,20 @@ class UnpairedBatches(PairBatches):
     def read(self, source: DataSource, rejects: Rejects, counts: Counter[str]) -> list[Any]:
         return _read_answers(source, rejects, counts)
 
-    def _render(  # type: ignore[override]
-        self,
-        records: list[UnpairedRecord],
-        renderer: UnpairedRenderer,
-        counts: Counter[str],
-        rejects: Rejects,
-        vocab: int | None,
-    ) -> list[UnpairedAnswer]:
-        """The answers of ``records``; long ones truncated (counted), dropped or raised as
-        ``on_long_sample`` says, bad ones raised or skipped as ``on_bad_record`` says."""
-        policy = self.data.settings.on_long_sample
-        answers = []
-        for record in records:
-            try:
-                answer = renderer(record)
-                if vocab is not None:
-                    check_vocabulary(answer.sample, vocab, renderer.renderer.tokenizer)
-                if answer.truncated and policy == "raise":
-                    raise DataError(
-                        record.source,
-                        f"the answer has {answer.sample.full_length} tokens, more than "
-                        f"max_seq_len={renderer.max_seq_len}",
-                        reason="too_long",
-                    )
-            except DataError as error:
-                rejects.handle(error, {"answer": str(record.record)}, counts)
-                continue
-            if answer.truncated and policy == "drop":
-                counts["dropped_too_long"] += 1
-                continue
-            counts["truncated"] += answer.truncated
-            counts[LABELS[answer.desirable]] += 1
-            answers.append(answer)
+    item_name = "answer"
+
+    def samples_of(self, answer: UnpairedAnswer) -> tuple[Sample, ...]:  # type: ignore[override]
+        return (answer.sample,)
+
+    def reject_row(self, record: UnpairedRecord) -> dict[str, str]:  # type: ignore[override]
+        return {"answer": str(record.record)}
+
+    def count(self, answer: UnpairedAnswer, counts: Counter[str]) -> None:  # type: ignore[override]
+        counts[LABELS[answer.desirable]] += 1
+
+    def count_all(self, answers: list[UnpairedAnswer], counts: Counter[str]) -> None:  # type: ignore[override]
         counts["answers"] += len(answers)
         counts["response_tokens"] += sum(a.sample.num_targets for a in answers)
-        return answers
 
     def nothing_to_train(self) -> ConfigError | None:
         return None
