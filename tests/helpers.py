@@ -289,3 +289,52 @@ def pair_logps(module: InstructLoRAModule, batch: dict):
 
     ld_alpha = module.objective.preference_loss.ld_alpha  # type: ignore[attr-defined]
     return answer_logps_of(module, batch, module.trunk(batch)[0], ld_alpha)
+
+
+def trl_online_trainer(
+    kind: str,
+    model: Path,
+    tokenizer,
+    out: Path,
+    rewards,
+    rows: list[dict],
+    batch_size: int,
+    max_completion_length: int,
+    **config,
+):
+    """TRL 1.16's ``GRPOTrainer`` (``kind`` ``grpo``) or ``RLOOTrainer`` (``rloo``) over ``rows`` in fp32
+    on the CPU: 2 completions a prompt, LoRA r 4 on q/v with its B matrices perturbed (the policy is
+    not its reference), in train mode, ready for its internals to be called."""
+    import warnings
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    from tests.test_preference_loss import _load, _perturb_lora
+
+    config_class, trainer_class = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
+    args = config_class(
+        output_dir=str(out / kind),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=batch_size,
+        num_generations=2,
+        max_completion_length=max_completion_length,
+        **config,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_class(
+            model=_load(model),
+            reward_funcs=rewards,
+            args=args,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
+        )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    _perturb_lora(trainer.model, scale=0.05)
+    return trainer

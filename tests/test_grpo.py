@@ -7,7 +7,6 @@ advantages and loss then give the loss, its metrics and every LoRA gradient we g
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ from lit_instruct.objectives import GRPO, RLOO
 from lit_instruct.objectives.sampler import Completion
 from lit_instruct.rewards import FormatReward, exact_answer
 from lit_instruct.train.module import InstructLoRAModule
-from tests.test_preference_loss import _load, _lora_grads, _perturb_lora
+from tests.helpers import trl_online_trainer
+from tests.test_preference_loss import _lora_grads
 
 RECORDS = [
     {"prompt": "What is 12 + 7? Answer with a number.", "answer": "19"},
@@ -68,41 +68,14 @@ def prompt_batch(model: Path, tmp_path: Path) -> dict:
 
 
 def trl_trainer(kind: str, model: Path, tokenizer, tmp_path: Path, rewards, **config):
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-    config_class, trainer_class = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
-    args = config_class(
-        output_dir=str(tmp_path / kind),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=32,
-        **config,
-    )
+    """TRL's trainer over :data:`RECORDS` (a string prompt as one user turn), and its dataset."""
     prompts = [
         r["prompt"] if isinstance(r["prompt"], list) else [{"role": "user", "content": r["prompt"]}]
         for r in RECORDS
     ]
     rows = [{"prompt": p, "answer": r["answer"]} for p, r in zip(prompts, RECORDS, strict=True)]
-    dataset = Dataset.from_list(rows)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = trainer_class(
-            model=_load(model),
-            reward_funcs=rewards,
-            args=args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
-        )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    _perturb_lora(trainer.model, scale=0.05)
-    return trainer, dataset
+    trainer = trl_online_trainer(kind, model, tokenizer, tmp_path, rewards, rows, 4, 32, **config)
+    return trainer, trainer.train_dataset
 
 
 def run_theirs(trainer, dataset, tokenizer, ours: dict) -> tuple[float, dict, dict]:

@@ -7,7 +7,6 @@ sequence-level ratios, two-sided clipping (``delta``), the KL term and a samplin
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,8 @@ from lit_instruct.objectives.rollout_loss import (
     rollout_metrics,
 )
 from lit_instruct.train.module import InstructLoRAModule
-from tests.test_preference_loss import _load, _lora_grads, _perturb_lora
+from tests.helpers import trl_online_trainer
+from tests.test_preference_loss import _lora_grads
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 PROMPTS = ["What is 12 + 7?", "Name a colour."]
@@ -42,35 +42,8 @@ def _reward(prompts, completions, **kwargs) -> list[float]:  # TRL needs one; th
 
 
 def trl_trainer(kind: str, model: Path, tokenizer, tmp_path: Path, **config):
-    from datasets import Dataset
-    from peft import LoraConfig
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-    config_class, trainer_class = (GRPOConfig, GRPOTrainer) if kind == "grpo" else (RLOOConfig, RLOOTrainer)
-    args = config_class(
-        output_dir=str(tmp_path / kind),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=len(COMPLETIONS),
-        num_generations=2,
-        max_completion_length=16,
-        **config,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = trainer_class(
-            model=_load(model),
-            reward_funcs=_reward,
-            args=args,
-            train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
-            processing_class=tokenizer,
-            peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]),
-        )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    _perturb_lora(trainer.model, scale=0.05)
-    return trainer
+    rows = [{"prompt": p} for p in PROMPTS]
+    return trl_online_trainer(kind, model, tokenizer, tmp_path, _reward, rows, len(COMPLETIONS), 16, **config)
 
 
 def completion_ids(tokenizer) -> list[list[int]]:
