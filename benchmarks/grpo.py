@@ -16,6 +16,7 @@ The runs (``--runs``; every ratio is against ``trl-bf16``, else ``trl``):
   trl-bf16   trl with ``bf16=True`` (TRL's default precision; autocast over the fp32 model)
   ours-auto  ``configs/grpo.yaml``'s choices: ``precision: auto``, ``model.dtype: auto`` (bf16 where
              the CPU does bf16, else fp32)
+  ours-gc    ours-auto with ``model.gradient_checkpointing: true``
   ours-fp32  ours in fp32
 
     pip install 'lit-instruct[bench]'          # trl, datasets
@@ -37,11 +38,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "data" / "arithmetic.jsonl"
 BATCH, GENERATIONS, NEW_TOKENS, TEMPERATURE, RANK, LR = 4, 8, 32, 0.7, 16, 2e-4
 FORMAT = r"\\boxed\{-?\d+\}"
-OURS = {"ours-auto": ("auto", "auto"), "ours-fp32": ("float32", "32-true")}  # (model dtype, precision)
+OURS = {  # (model dtype, precision, gradient checkpointing)
+    "ours-auto": ("auto", "auto", False),
+    "ours-gc": ("auto", "auto", True),
+    "ours-fp32": ("float32", "32-true", False),
+}
 TRL = {"trl": {}, "trl-bf16": {"bf16": True}}
 
 
-def run_ours(steps: int, dtype: str, precision: str) -> dict:
+def run_ours(steps: int, dtype: str, precision: str, checkpointing: bool) -> dict:
     import lightning as L
 
     from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
@@ -78,6 +83,7 @@ def run_ours(steps: int, dtype: str, precision: str) -> dict:
             warmup_steps=0,
             min_lr_ratio=1.0,
             dtype=dtype,
+            gradient_checkpointing=checkpointing,
             adapter_dir=f"{tmp}/adapter",
         )
         data = InstructDataModule(

@@ -138,6 +138,7 @@ def objective_of(args: dict[str, Any]) -> Objective:
             max_completion_length=8,
             beta=0.04,
             num_iterations=args.get("num_iterations", 1),
+            merge_for_sampling=False,  # an FSDP shard is not merged: both sides sample through LoRA
         )
     if name == "dpo":
         return DPO(precompute_reference=args.get("precompute_reference", False))

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lit_instruct.contiguous_head import contiguous_head_input
 from lit_instruct.templates import resolve_chat_template
 
 
@@ -36,14 +37,16 @@ def generate(
     )
     inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(model.device)
     sampling = {"temperature": temperature, "top_p": top_p} if temperature > 0 else {}
-    output = model.generate(
-        **inputs,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-        use_cache=True,
-        do_sample=temperature > 0,
-        streamer=streamer,
-        **sampling,
-    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with contiguous_head_input(model):
+        output = model.generate(
+            **inputs,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad,
+            use_cache=True,
+            do_sample=temperature > 0,
+            streamer=streamer,
+            **sampling,
+        )
     return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

@@ -88,6 +88,7 @@ class OnlineObjective(Objective):
         on_reward_error: OnError,
         seed: int,
         num_iterations: int = 1,
+        merge_for_sampling: bool = True,
     ) -> None:
         if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
             raise ConfigError(
@@ -128,6 +129,7 @@ class OnlineObjective(Objective):
         self.on_reward_error = on_reward_error
         self.seed = seed
         self.num_iterations = num_iterations
+        self.merge_for_sampling = merge_for_sampling
         self._kept: dict[str, Any] = {"step": -1, "rank": 0, "items": {}}
         """The rollouts of the last sampling step (``num_iterations`` > 1), by micro-batch index."""
         reward_sums = [
@@ -193,7 +195,7 @@ class OnlineObjective(Objective):
         assert self.sampler is not None
         g = self.num_generations
         started = time.perf_counter()
-        with policy.sampling_model() as model:
+        with policy.sampling_model(merged=self.merge_for_sampling) as model:
             completions = self.sampler.sample(model, batch["prompt_ids"], g, seed)
         if training:
             self.sampling_seconds += time.perf_counter() - started
@@ -436,6 +438,7 @@ class GRPO(OnlineObjective):
         num_iterations: int = 1,
         on_reward_error: OnError = "raise",
         seed: int = 0,
+        merge_for_sampling: bool = True,
     ) -> None:
         super().__init__(
             rewards,
@@ -448,6 +451,7 @@ class GRPO(OnlineObjective):
             on_reward_error,
             seed,
             num_iterations,
+            merge_for_sampling,
         )
         if scale_rewards not in ("group", "batch", "none"):
             raise ConfigError(
@@ -519,6 +523,7 @@ class RLOO(OnlineObjective):
         num_iterations: int = 1,
         on_reward_error: OnError = "raise",
         seed: int = 0,
+        merge_for_sampling: bool = True,
     ) -> None:
         super().__init__(
             rewards,
@@ -531,6 +536,7 @@ class RLOO(OnlineObjective):
             on_reward_error,
             seed,
             num_iterations,
+            merge_for_sampling,
         )
         self.beta = beta
         self.epsilon = epsilon

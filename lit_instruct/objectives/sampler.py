@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from lit_instruct.contiguous_head import contiguous_head_input
 from lit_instruct.distributed import is_sharded
 
 
@@ -66,7 +67,7 @@ class TransformersSampler:
         model.eval()
         devices = [device] if device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices), contiguous_head_input(model):
                 torch.manual_seed(seed)
                 output = model.generate(
                     input_ids=input_ids,

@@ -36,6 +36,7 @@ from lit_instruct.models.eva_init import EvaResult
 from lit_instruct.models.generation import generate
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
 from lit_instruct.models.lora import LoRAConfig, lora_config_of, with_adapter_structure
+from lit_instruct.models.merged_sampling import merged_adapters
 from lit_instruct.models.residual_init import as_plain_lora
 from lit_instruct.objectives import Objective, ObjectiveName, ObjectiveSums, PairObjective, resolve_objective
 from lit_instruct.precision import AUTO, auto_precision, is_bf16
@@ -497,10 +498,14 @@ class InstructLoRAModule(L.LightningModule):
         return weight, full_tensor(bias)
 
     @contextmanager
-    def sampling_model(self) -> Iterator[Any]:
+    def sampling_model(self, merged: bool = False) -> Iterator[Any]:
         """The model to ``generate`` from (online objectives): the trained model, with a head tied to
-        a sharded embedding whole for the while (FSDP; every rank enters)."""
-        with whole_tied_head(self.base_model) if self._sharded else nullcontext():
+        a sharded embedding whole for the while (FSDP; every rank enters); with ``merged``, its
+        adapters merged into copies of their base weights (:mod:`lit_instruct.models.merged_sampling`)."""
+        with (
+            whole_tied_head(self.base_model) if self._sharded else nullcontext(),
+            merged_adapters(self.model) if merged else nullcontext(),
+        ):
             yield self.model
 
     @contextmanager
