@@ -51,7 +51,8 @@ def test_a_padding_repeat_counts_no_label(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "packing"), [("ddp", False), ("fsdp_lora", False), ("ddp", True)])
+# DDP unpadded rows validate in tests/test_preference_distributed.py's DDP cases
+@pytest.mark.parametrize(("strategy", "packing"), [("fsdp_lora", False), ("ddp", True)])
 def test_validation_on_two_processes_equals_one(
     strategy: str, packing: bool, tiny_model_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:
