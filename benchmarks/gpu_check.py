@@ -9,8 +9,8 @@ under ``TRITON_INTERPRET=1`` (few rows). Part 2 (GPU): timings against naive / L
 Cross-Entropy, a chunk over 2^31 logits, packed varlen attention, a tiny MoE with LoRA on its expert
 weights under bf16 (loss equal to the model's own), and the shipped configs trained a few steps on the
 GPU (``precision: auto`` must pick bf16 from compute capability 8.0; packed one_device with and without
-NF4; DoRA + LoRA+; base-to-chat growing the vocabulary), the bf16-trained adapter then exported as one
-GGUF file and as a GGUF LoRA. Parts that need CUDA print why they were skipped.
+NF4; DoRA + LoRA+; base-to-chat growing the vocabulary; GRPO sampling on the GPU), the bf16-trained
+adapter then exported as one GGUF file and as a GGUF LoRA. Parts that need CUDA print why they were skipped.
 Prints one table; exits 1 if any check fails. ``benchmarks/gpu_check.sh`` installs, runs the
 CUDA-relevant tests, then this.
 """
@@ -232,7 +232,8 @@ def _fit(name: str, config: str, root: str, steps: int, *extra: str) -> tuple[st
 def training(root: str) -> list[tuple[str, bool]]:
     """The shipped configs on the GPU, a few steps each: ``precision: auto`` must choose bf16 on
     compute capability >= 8 (and say so), packed one_device with and without NF4, DoRA + LoRA+, the
-    base-to-chat run that grows the vocabulary; then GGUF exports of the bf16-trained adapter."""
+    base-to-chat run that grows the vocabulary, GRPO's config; then GGUF exports of the bf16-trained
+    adapter."""
     import subprocess
 
     checks = []
@@ -261,6 +262,9 @@ def training(root: str) -> list[tuple[str, bool]]:
     dora = ("--data.train_files", "[examples/data/alpaca_sample.jsonl]")
     checks.append(_fit("DoRA + LoRA+", "configs/dora.yaml", f"{root}/dora", 6, *dora)[:2])
     checks.append(_fit("base-to-chat (new tokens)", "configs/base-to-chat.yaml", f"{root}/b2c", 6)[:2])
+    checks.append(
+        _fit("GRPO (configs/grpo.yaml: sampled on the GPU)", "configs/grpo.yaml", f"{root}/grpo", 4)[:2]
+    )
     for flag, out in (("--gguf", f"{root}/q.gguf"), ("--gguf-adapter", f"{root}/q-lora.gguf")):
         command = [
             sys.executable,
