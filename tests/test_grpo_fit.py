@@ -150,3 +150,42 @@ def test_a_resumed_grpo_fit_samples_and_trains_as_the_uninterrupted_one(
     assert through.keys() == resumed.keys()
     for name, value in through.items():
         torch.testing.assert_close(resumed[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_validation_inside_an_accumulation_window_leaves_the_rollouts_in_place(
+    tiny_model_dir, tmp_path
+) -> None:
+    """``num_iterations: 2`` with 2 micro-batches a step and a validation after each micro-batch: the
+    validation's own rollouts do not renumber the training micro-batches, so step 2 reuses each
+    micro-batch's own rollout (the counter shared by both modes had the second step stop on "other
+    prompts"), and every training micro-batch of step 1 sampled with its own seed."""
+    from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
+    from lit_instruct.objectives import GRPO
+    from tests.helpers import trainer
+
+    seeds: list[tuple[bool, int]] = []
+
+    class Seeds(GRPO):
+        def _seed(self, policy, training, step, index, rank):
+            seed = super()._seed(policy, training, step, index, rank)
+            seeds.append((training, seed))
+            return seed
+
+    objective = Seeds(rewards=["exact_answer"], num_generations=2, max_completion_length=4, num_iterations=2)
+    module = InstructLoRAModule(
+        model=str(tiny_model_dir), lora=LoRAConfig(r=4, alpha=8), objective=objective, warmup_steps=0
+    )
+    data = InstructDataModule(
+        batch_kind="prompts",
+        tokenizer=str(tiny_model_dir),
+        train_files=[str(ROOT / "examples/data/arithmetic.jsonl")],
+        batch_size=2,
+        eval_batch_size=2,
+        val_fraction=0.05,
+    )
+    run = trainer(tmp_path, max_steps=2, accumulate_grad_batches=2, val_check_interval=1, limit_val_batches=1)
+    run.fit(module, datamodule=data)
+    assert run.global_step == 2
+    training = [seed for mode, seed in seeds if mode]
+    assert len(training) == 2 and len(set(training)) == 2  # step 1's two micro-batches, step 2 reused them
+    assert any(not mode for mode, _ in seeds)  # validations ran inside the window

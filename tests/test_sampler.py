@@ -121,3 +121,25 @@ def test_repeated_windows_give_each_window_again_and_resume_inside_one(world: in
 def _placed(sampler: InstructSampler, batches: int) -> tuple[int, int, int]:
     list(sampler)  # an epoch's iteration sets its position
     return sampler.place(0, batches)
+
+
+def test_a_run_giving_windows_again_resumes_only_with_its_shape() -> None:
+    """The feed's check of a checkpoint's windows: ``num_iterations`` and the accumulation always
+    (the steps and the data's windows stay aligned), the batch size and processes inside a window."""
+    from lit_instruct.data.training_feed import _repeat_skip
+    from lit_instruct.errors import ConfigError
+
+    at_start = {"repeat": {"batch_size": 2, "num_replicas": 1, "window": 2, "repeats": 2, "within": 0}}
+    inside = {"repeat": {**at_start["repeat"], "within": 3}}
+    assert _repeat_skip(at_start, 4, 2, 2, 2) == 0  # another batch size and world at a window's start
+    assert _repeat_skip(inside, 2, 1, 2, 2) == 3
+    assert _repeat_skip({}, 2, 1, 2, 1) == 0  # neither repeats
+    refusals = [
+        (at_start, (2, 1, 2, 3), "model.objective.init_args.num_iterations: 3"),
+        (at_start, (2, 1, 1, 2), "trainer.accumulate_grad_batches: 1"),
+        (inside, (4, 1, 2, 2), "data.batch_size: 4"),
+        ({}, (2, 1, 2, 2), "model.objective.init_args.num_iterations: 2"),  # a checkpoint without repeats
+    ]
+    for state, shape, line in refusals:
+        with pytest.raises(ConfigError, match=f"^{line}: the checkpoint was written"):
+            _repeat_skip(state, *shape)

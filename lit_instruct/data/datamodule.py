@@ -427,9 +427,9 @@ class InstructDataModule(L.LightningDataModule):
     def repeat_windows(self, repeats: int) -> None:
         """Give each optimizer step's batches (its accumulation window) ``repeats`` times in a row:
         online RL's ``num_iterations``, set by the module from its objective."""
-        if repeats == 1:
-            return
         if not isinstance(self.feed, SampledFeed):
+            if repeats == 1:
+                return
             raise ConfigError(
                 "data.streaming",
                 f"true cannot be combined with num_iterations={repeats} (each window of prompts is "

@@ -104,7 +104,7 @@ class SampledFeed:
             "batches_done": done,
             "samples_done": samples,
         }
-        if within:  # inside a window's repeats: resumable only as it was given
+        if self.sampler.repeats > 1:  # each window N times: resumable with the same N and window
             sampler = self.sampler
             state["repeat"] = {
                 "batch_size": sampler.batch_size,
@@ -127,25 +127,29 @@ class SampledFeed:
 
 
 def _repeat_skip(state: dict[str, Any], batch_size: int, world: int, window: int, repeats: int) -> int:
-    """The batches to skip of the window a checkpoint stopped inside of (0 at a window's start);
-    inside one, the run must give windows as it did (a ``ConfigError`` naming what differs)."""
-    given = state.get("repeat")
-    if not given:
+    """The batches to skip of the window a checkpoint stopped inside of (0 at a window's start). A
+    run that gives windows several times resumes with the same ``num_iterations`` and accumulation
+    (its optimizer steps and the data's windows stay aligned), and inside a window with the same batch
+    size and processes too; else a ``ConfigError`` naming what differs."""
+    given = state.get("repeat") or {"repeats": 1, "window": window, "within": 0}
+    if given["repeats"] == 1 and repeats == 1:
         return 0
     now = {"batch_size": batch_size, "num_replicas": world, "window": window, "repeats": repeats}
     names = {
+        "repeats": "model.objective.init_args.num_iterations",
+        "window": "trainer.accumulate_grad_batches",
         "batch_size": "data.batch_size",
         "num_replicas": "the number of processes",
-        "window": "trainer.accumulate_grad_batches",
-        "repeats": "model.objective.init_args.num_iterations",
     }
-    for key, name in names.items():
+    compared = list(names) if given["within"] else ["repeats", "window"]
+    for key in compared:
         if given[key] != now[key]:
+            name = names[key]
+            inside = "inside a rollout's num_iterations steps, " if given["within"] else ""
             raise ConfigError(
                 name,
-                f"{now[key]}: the checkpoint stopped inside a rollout's num_iterations steps, given "
-                f"with {name} = {given[key]}; resume with the same (or from a checkpoint at a multiple "
-                "of num_iterations steps)",
+                f"{now[key]}: the checkpoint was written {inside}with {name} = {given[key]}; resume with "
+                f"the same (each window of prompts is given num_iterations times in a row)",
             )
     return int(given["within"])
 

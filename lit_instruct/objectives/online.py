@@ -138,7 +138,7 @@ class OnlineObjective(Objective):
         self.metric_names = (*METRIC_NAMES, *ROLLOUT_SUMS, *reward_sums)
         self.tokenizer: Any = None
         self.sampler: Sampler | None = None
-        self._calls: dict[tuple[bool, int], int] = {}
+        self._calls: dict[bool, tuple[int, int]] = {}  # by mode: the step and its last micro-batch
         self.sampling_seconds = 0.0
         """Time spent sampling completions in training steps (a report's: reset as it likes)."""
         self.sampled_tokens = 0
@@ -168,9 +168,9 @@ class OnlineObjective(Objective):
         trainer = getattr(policy, "_trainer", None)
         step = trainer.global_step if trainer is not None else 0
         rank = trainer.global_rank if trainer is not None else 0
-        key = (training, step)
-        index = self._calls.get(key, 0)
-        self._calls = {key: index + 1}
+        last_step, last_index = self._calls.get(training, (step, -1))  # training and validation apart:
+        index = last_index + 1 if last_step == step else 0  # a validation inside a step leaves it be
+        self._calls[training] = (step, index)
         return step, index, rank
 
     def _seed(self, policy: Policy, training: bool, step: int, index: int, rank: int) -> int:

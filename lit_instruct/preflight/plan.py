@@ -74,8 +74,9 @@ def estimate_memory(plan: ModelPlan, settings: Mapping[str, Any]) -> MemoryEstim
 
 
 def optimizer_steps(samples: int, settings: Mapping[str, Any]) -> int | None:
-    """The fit's optimizer steps: ``trainer.max_steps``, else epochs of ``samples`` over the ranks
-    (Lightning's 1000 epochs when neither is set; ``None`` for ``max_epochs: -1``, no limit)."""
+    """The fit's optimizer steps: ``trainer.max_steps``, else epochs of ``samples`` over the ranks, each
+    window ``num_iterations`` times (Lightning's 1000 epochs when neither is set; ``None`` for
+    ``max_epochs: -1``, no limit)."""
     max_steps = settings.get("trainer.max_steps", -1)
     if max_steps not in (None, -1):
         return int(max_steps)
@@ -88,7 +89,9 @@ def optimizer_steps(samples: int, settings: Mapping[str, Any]) -> int | None:
         settings.get("trainer.num_nodes", 1)
     )
     batches = math.ceil(samples / (int(settings.get("data.batch_size", 8)) * world))
-    return int(epochs) * math.ceil(batches / int(settings.get("trainer.accumulate_grad_batches", 1)))
+    repeats = int(settings.get("model.objective.init_args.num_iterations") or 1)  # online RL's windows
+    windows = math.ceil(batches / int(settings.get("trainer.accumulate_grad_batches", 1)))
+    return int(epochs) * windows * repeats
 
 
 def _gib(size: float) -> str:

@@ -40,9 +40,9 @@ def sharding_mesh(mesh: Any) -> Any:
 def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> None:
     """``fully_shard`` each decoder layer of ``base``, then its decoder stack, then its lm_head.
 
-    The lm_head's forward never runs (the loss reads its weight), so its group only stores the
-    shards that :func:`full_tensor` gathers. A head tied to the input embeddings is tied again to
-    the embedding's shard.
+    In training the lm_head's forward never runs (the loss reads its weight, whole through
+    :func:`full_tensor`); sampling runs it (its own group gathers it; a head tied to the input
+    embeddings, tied again to the embedding's shard, is gathered by :func:`whole_tied_head`).
     """
     from torch.distributed.fsdp import fully_shard
 

@@ -81,8 +81,9 @@ LOSS_ON = {
 """What the model card says the loss was computed on, by the objective's batch kind."""
 
 EVA_RANKS_KEY = "eva_ranks"
-OBJECTIVE_STATE_KEY = "objective_state"
 """Checkpoint entry of the ranks EVA's data pass gave each adapted layer (a resume rebuilds with them)."""
+OBJECTIVE_STATE_KEY = "objective_state"
+"""Checkpoint entry of every rank's objective state (a rollout the steps after the checkpoint reuse)."""
 
 
 def check_eva_ranks(saved: dict[str, int] | None, built: dict[str, int] | None) -> None:
@@ -314,13 +315,13 @@ class InstructLoRAModule(L.LightningModule):
             )
         if stage == "fit":
             self._check_adapter_folder()
-            repeat_windows = getattr(datamodule, "repeat_windows", None)
-            if self.objective.window_repeats > 1 and callable(repeat_windows):
-                repeat_windows(self.objective.window_repeats)  # each rollout trains several steps
         if self.dtype_chosen:
             self._match_trainer_precision()
         if self.eva_pending and stage == "fit":
-            self._eva_from_checkpoint_or_data(datamodule)
+            self._eva_from_checkpoint_or_data(datamodule)  # from the batches as the data gives them
+        repeat_windows = getattr(datamodule, "repeat_windows", None)
+        if stage == "fit" and callable(repeat_windows):
+            repeat_windows(self.objective.window_repeats)  # online RL: each rollout trains N steps
         template_of = getattr(datamodule, "training_chat_template", None)
         if callable(template_of):
             self.chat_template = template_of()
@@ -639,7 +640,8 @@ class InstructLoRAModule(L.LightningModule):
         checkpoint["tokens_seen"] = (self.tokens_seen, self.response_tokens_seen)
         if self.eva_ranks is not None:
             checkpoint[EVA_RANKS_KEY] = dict(self.eva_ranks)
-        if self.objective.window_repeats > 1:  # every rank's rollout, reused by the steps after it
+        repeats = self.objective.window_repeats
+        if repeats > 1 and self.global_step % repeats:  # inside a rollout's steps: every rank's rollout
             checkpoint[OBJECTIVE_STATE_KEY] = gather_states(self.objective.state_dict())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
