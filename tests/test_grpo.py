@@ -252,23 +252,25 @@ class PromptKeyedSampler:
         return [Completion(c, c[-1] != self.eos) for c in ids]
 
 
-def test_two_iterations_of_one_rollout_equal_trls(tiny_model_dir, tokenizer, tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_two_iterations_of_one_rollout_equal_trls(kind, tiny_model_dir, tokenizer, tmp_path) -> None:
     """``num_iterations: 2`` in a real fit: the data gives the window of prompts twice, the rollout
     sampled at step 1 (its old log-probs and reference log-probs taken then) trains steps 1 and 2;
     the second step's ratio to the old policy is no longer 1, so it clips. Both steps' loss and
-    metrics and the LoRA weights after each AdamW step equal TRL's GRPOTrainer run for 2 iterations
-    of ``_compute_loss`` on its one scored generation (fp32)."""
+    metrics and the LoRA weights after each AdamW step equal TRL's GRPOTrainer (RLOOTrainer) run for 2
+    iterations of ``_compute_loss`` on its one scored generation (fp32)."""
     from tests.helpers import trainer
     from tests.preference_ddp_fit import StepRecorder
 
-    lr, config = 0.05, dict(num_iterations=2, beta=0.04)
+    lr, config = 0.05, dict(num_iterations=2, beta=0.04 if kind == "grpo" else 0.05)
     rewards = [exact_answer, BOXED]
-    theirs, dataset = trl_trainer("grpo", tiny_model_dir, tokenizer, tmp_path, rewards, **config)
+    theirs, dataset = trl_trainer(kind, tiny_model_dir, tokenizer, tmp_path, rewards, **config)
     batch = prompt_batch(tiny_model_dir, tmp_path)
     completions = completion_ids(tokenizer)
     groups = {tuple(p): completions[2 * k : 2 * k + 2] for k, p in enumerate(batch["prompt_ids"])}
     sampler = PromptKeyedSampler(groups, tokenizer.eos_token_id)
-    objective = GRPO(rewards=[exact_answer, BOXED], num_generations=2, max_completion_length=32, **config)
+    objective_class = GRPO if kind == "grpo" else RLOO
+    objective = objective_class(rewards=rewards, num_generations=2, max_completion_length=32, **config)
     objective.bind(tokenizer, sampler)
     module = InstructLoRAModule(
         model=str(tiny_model_dir),
@@ -301,7 +303,10 @@ def test_two_iterations_of_one_rollout_equal_trls(tiny_model_dir, tokenizer, tmp
         assert [tuple(p) for p in trainer_prompt_ids(prompts)[::2]] == order
         conversations = [[{"role": "assistant", "content": t}] for t in texts]
         prompt_ids = [list(p) for p in order for _ in range(2)]
-        return prompt_ids, [c for p in order for c in groups[p]], None, conversations, None, {}, None, None
+        sampled = [c for p in order for c in groups[p]]
+        if kind == "rloo":
+            return prompt_ids, sampled, conversations
+        return prompt_ids, sampled, None, conversations, None, {}, None, None
 
     def trainer_prompt_ids(prompts):
         return theirs._tokenize_prompts(prompts)[0]
@@ -309,7 +314,8 @@ def test_two_iterations_of_one_rollout_equal_trls(tiny_model_dir, tokenizer, tmp
     theirs._generate = generate
     inputs = [dataset[ids_of[p]] for p in order for _ in range(2)]
     scored = theirs._generate_and_score_completions(inputs)
-    assert scored["old_per_token_logps"] is not None  # num_iterations > 1: kept from the generation
+    old = scored["old_per_token_logps" if kind == "grpo" else "old_logps"]
+    assert old is not None  # num_iterations > 1: kept from the generation
     trained = [p for p in theirs.model.parameters() if p.requires_grad]
     betas = module.hparams["betas"]
     optimizer = torch.optim.AdamW(trained, lr=lr, betas=betas, weight_decay=0.0, foreach=True)
@@ -322,7 +328,8 @@ def test_two_iterations_of_one_rollout_equal_trls(tiny_model_dir, tokenizer, tmp
         metrics = {name: values[-1] for name, values in theirs._metrics["train"].items()}
         ours = recorder.steps[step]
         assert ours["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7), step
-        for name in ("kl", "entropy", *(f"clip_ratio/{part}_mean" for part in ("region", "low", "high"))):
+        names = ("kl", "entropy", *(f"clip_ratio/{part}_mean" for part in ("region", "low", "high")))
+        for name in (n for n in names if n in metrics):  # RLOO logs its kl at the generation only
             assert ours[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-6), (step, name)
         if step == 1:
             assert metrics["clip_ratio/region_mean"] > 0  # the old policy's log-probs matter
