@@ -42,11 +42,46 @@ class Sampler(Protocol):
     ) -> list[Completion]: ...
 
 
+class Draw:
+    """A ``generate`` logits processor that draws each row's next token itself: the scores warped as
+    ``generate`` samples them (``transformers``' temperature, top-k and top-p warpers, in its order),
+    then one uniform per row through the cumulative distribution (in fp32), every other token set to
+    ``-inf`` so that the greedy step takes the drawn one. The same distribution as ``generate``'s
+    sampling (which draws an exponential per vocabulary entry: most of a decoding step's time on a CPU
+    for a small model), from a generator of its own."""
+
+    def __init__(self, settings: SamplingSettings, generator: torch.Generator) -> None:
+        from transformers import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        warpers: list[Any] = []
+        if settings.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(settings.temperature))
+        if settings.top_k:
+            warpers.append(TopKLogitsWarper(top_k=settings.top_k))
+        if settings.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=settings.top_p))
+        self.warpers = LogitsProcessorList(warpers)
+        self.generator = generator
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = self.warpers(input_ids, scores)
+        cdf = torch.softmax(scores.float(), dim=-1).cumsum_(dim=-1)
+        draws = torch.rand((len(cdf), 1), generator=self.generator, device=cdf.device) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, draws, right=True).clamp_(max=cdf.shape[-1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
+
+
 class TransformersSampler:
     """Samples with the model in memory: prompts left-padded into one batch, ``generate`` with the KV
-    cache, in eval mode (no dropout), the RNG forked and seeded so training's stream is untouched.
-    A model sharded over ranks (FSDP: each forward gathers the weights, a collective) decodes in step
-    on every rank until all have stopped (``generate``'s ``synced_gpus``)."""
+    cache, in eval mode (no dropout), each token drawn by :class:`Draw` from a generator seeded for
+    the call (training's random stream untouched). A model sharded over ranks (FSDP: each forward
+    gathers the weights, a collective) decodes in step on every rank until all have stopped
+    (``generate``'s ``synced_gpus``)."""
 
     def __init__(self, settings: SamplingSettings, stop_ids: list[int], pad_id: int) -> None:
         self.settings = settings
@@ -57,26 +92,27 @@ class TransformersSampler:
     def sample(
         self, model: Any, prompt_ids: list[list[int]], num_generations: int, seed: int
     ) -> list[Completion]:
+        from transformers import LogitsProcessorList
+
         rows = [ids for ids in prompt_ids for _ in range(num_generations)]
         width = max(map(len, rows))
         device = next(model.parameters()).device
         input_ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=device)
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-        settings = self.settings
+        draw = Draw(self.settings, torch.Generator(device=device).manual_seed(seed))
         was_training = model.training
         model.eval()
-        devices = [device] if device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices), contiguous_head_input(model):
-                torch.manual_seed(seed)
+            with contiguous_head_input(model):
                 output = model.generate(
                     input_ids=input_ids,
                     attention_mask=mask,
-                    max_new_tokens=settings.max_completion_length,
-                    do_sample=True,
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                    top_k=settings.top_k,  # 0: off (not the model's default)
+                    max_new_tokens=self.settings.max_completion_length,
+                    do_sample=False,  # Draw draws: the greedy step takes its token
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    logits_processor=LogitsProcessorList([draw]),
                     eos_token_id=self.stop_ids,
                     pad_token_id=self.pad_id,
                     use_cache=True,
