@@ -69,7 +69,7 @@ class Draw:
         self.generator = generator
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = self.warpers(input_ids, scores)
+        scores = self.warpers(input_ids, scores)  # type: ignore[arg-type]  # a LongTensor by its values
         cdf = torch.softmax(scores.float(), dim=-1).cumsum_(dim=-1)
         draws = torch.rand((len(cdf), 1), generator=self.generator, device=cdf.device) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, draws, right=True).clamp_(max=cdf.shape[-1] - 1)
