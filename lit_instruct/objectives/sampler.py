@@ -109,9 +109,13 @@ class TransformersSampler:
                     attention_mask=mask,
                     max_new_tokens=self.settings.max_completion_length,
                     do_sample=False,  # Draw draws: the greedy step takes its token
+                    # the model's own sampling defaults neither warped twice nor warned about (greedy
+                    # takes these global defaults silently); no repetition penalty or min_p (TRL's)
                     temperature=1.0,
                     top_p=1.0,
-                    top_k=0,
+                    top_k=50,
+                    min_p=None,
+                    repetition_penalty=1.0,
                     logits_processor=LogitsProcessorList([draw]),
                     eos_token_id=self.stop_ids,
                     pad_token_id=self.pad_id,
