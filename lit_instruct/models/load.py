@@ -14,6 +14,7 @@ from torch import nn
 
 from lit_instruct.model_names import resolve_model_path
 from lit_instruct.models.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
+from lit_instruct.models.gemm_attention import use_gemm_attention
 
 DType = Literal["float32", "bfloat16", "float16"]
 Quantization = Literal["none", "nf4", "fp4"]
@@ -80,6 +81,7 @@ def load_base_model(
                 config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **extra
             )
         skeleton.config.use_cache = False
+        use_gemm_attention(skeleton)
         return skeleton
 
     kwargs: dict = {}
@@ -107,6 +109,7 @@ def load_base_model(
         **kwargs,
     )
     model.config.use_cache = False
+    use_gemm_attention(model)
     if "quantization_config" in kwargs:
         keep_training_layout(model)
         check_training_layout(model, getattr(torch, dtype))

@@ -6,7 +6,8 @@ boundaries as ``packed_segments``. The module hands them to the decoder, whose a
 one): it runs sample by sample, each with the mask the model would give it alone (causal, and the
 layer's sliding window), and with everything else the layer passes (scaling, soft-capping, sinks),
 so no FLOP or byte is spent on attention across samples (a block-diagonal mask would cost the square
-of the whole row). Unpacked batches go straight to the model's attention function.
+of the whole row). Unpacked batches go straight to the model's attention function (SDPA through
+:mod:`lit_instruct.models.gemm_attention`).
 
 In fp16/bf16, SDPA models whose layers pass nothing but scaling, dropout 0 and a sliding window run
 all samples in one variable-length call instead of one SDPA call per sample: flash attention's
@@ -31,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.gemm_attention import GEMM_SDPA, gemm_sdpa_attention
 
 UNPACKABLE_MODEL_TYPES = {
     **dict.fromkeys(
@@ -179,7 +181,8 @@ def packed_attention(inner: str) -> Callable[..., tuple[torch.Tensor, torch.Tens
                 attention_mask = sample_mask(
                     query.shape[2], key.shape[2], window, additive, query.dtype, query.device
                 )
-            return function(module, query, key, value, attention_mask, **kwargs)
+            unpacked = function if additive else gemm_sdpa_attention
+            return unpacked(module, query, key, value, attention_mask, **kwargs)
         kwargs.pop("is_causal", None)
 
         def per_sample() -> torch.Tensor:
@@ -278,13 +281,14 @@ def enable_packing(model: Any, lengths: Sequence[int] | None = None, check: bool
     if own in PACKED_ATTENTION.values():
         return
     name = type(model).__name__
-    if own not in PACKED_ATTENTION:
+    inner = "sdpa" if own == GEMM_SDPA else own
+    if inner not in PACKED_ATTENTION:
         raise UnsupportedModelError(
             f"data.packing needs model.attn_implementation sdpa or eager, not {own!r}"
         )
     register_packed_attention()
     if not check:  # a weightless (meta) copy of a model checked elsewhere
-        model.set_attn_implementation(PACKED_ATTENTION[own])
+        model.set_attn_implementation(PACKED_ATTENTION[inner])
         return
     decoder = decoder_of(model)
     device = next(model.parameters()).device
@@ -301,7 +305,7 @@ def enable_packing(model: Any, lengths: Sequence[int] | None = None, check: bool
                 for s, e in itertools.pairwise(segments)
             ]
         )
-        model.set_attn_implementation(PACKED_ATTENTION[own])
+        model.set_attn_implementation(PACKED_ATTENTION[inner])
         packed = decoder(
             input_ids=ids[None], position_ids=positions[None], packed_segments=segments, use_cache=False
         ).last_hidden_state[0]
