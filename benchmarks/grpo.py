@@ -17,6 +17,8 @@ The runs (``--runs``; every ratio is against ``trl-bf16``, else ``trl``):
   ours-auto  ``configs/grpo.yaml``'s choices: ``precision: auto``, ``model.dtype: auto`` (bf16 where
              the CPU does bf16, else fp32)
   ours-gc    ours-auto with ``model.gradient_checkpointing: true``
+  ours-gcN   ours-gc recomputing only the first N of the 30 layers (``model.checkpoint_layers: N``),
+             e.g. ours-gc15
   ours-fp32  ours in fp32
 
     pip install 'lit-instruct[bench]'          # trl, datasets
@@ -38,15 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "data" / "arithmetic.jsonl"
 BATCH, GENERATIONS, NEW_TOKENS, TEMPERATURE, RANK, LR = 4, 8, 32, 0.7, 16, 2e-4
 FORMAT = r"\\boxed\{-?\d+\}"
-OURS = {  # (model dtype, precision, gradient checkpointing)
-    "ours-auto": ("auto", "auto", False),
-    "ours-gc": ("auto", "auto", True),
-    "ours-fp32": ("float32", "32-true", False),
+OURS = {  # (model dtype, precision, gradient checkpointing, checkpointed layers)
+    "ours-auto": ("auto", "auto", False, None),
+    "ours-gc": ("auto", "auto", True, None),
+    "ours-fp32": ("float32", "32-true", False, None),
 }
 TRL = {"trl": {}, "trl-bf16": {"bf16": True}}
 
 
-def run_ours(steps: int, dtype: str, precision: str, checkpointing: bool) -> dict:
+def run_ours(steps: int, dtype: str, precision: str, checkpointing: bool, layers: int | None) -> dict:
     import lightning as L
 
     from lit_instruct import InstructDataModule, InstructLoRAModule, LoRAConfig
@@ -84,6 +86,7 @@ def run_ours(steps: int, dtype: str, precision: str, checkpointing: bool) -> dic
             min_lr_ratio=1.0,
             dtype=dtype,
             gradient_checkpointing=checkpointing,
+            checkpoint_layers=layers,
             adapter_dir=f"{tmp}/adapter",
         )
         data = InstructDataModule(
@@ -197,6 +200,8 @@ def summarize(result: dict, warmup: int) -> dict:
 def worker(which: str, steps: int) -> dict:
     if which in OURS:
         return run_ours(steps, *OURS[which])
+    if which.startswith("ours-gc"):
+        return run_ours(steps, "auto", "auto", True, int(which.removeprefix("ours-gc")))
     return run_trl(steps, TRL[which])
 
 
@@ -214,12 +219,19 @@ def print_report(best: dict[str, dict]) -> None:
         )
 
 
+def run_name(name: str) -> str:
+    """A ``--runs`` entry: one of :data:`TRL`, :data:`OURS`, or ``ours-gcN``."""
+    if name in TRL or name in OURS or (name.startswith("ours-gc") and name[7:].isdigit()):
+        return name
+    raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join([*TRL, *OURS])} or ours-gcN (N layers)")
+
+
 def main() -> None:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--runs", nargs="+", choices=[*TRL, *OURS], default=["trl", "trl-bf16", "ours-auto"])
+    parser.add_argument("--runs", nargs="+", type=run_name, default=["trl", "trl-bf16", "ours-auto"])
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/grpo.json"))
     parser.add_argument("--worker", nargs=2, metavar=("WHICH", "STEPS"), help=argparse.SUPPRESS)
     args = parser.parse_args()

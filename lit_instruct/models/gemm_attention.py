@@ -22,6 +22,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -33,10 +34,10 @@ GEMM_SDPA = "lit_gemm_sdpa"
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-LONGEST_TRAINING_KEYS = 192
+LONGEST_TRAINING_KEYS = 160
 """Above this many keys a pass with several queries keeps PyTorch's flash kernel, whose softmax
 work stays in cache where the ``(queries, keys)`` scores here do not (the crossover measured by
-``benchmarks/attention_kernels.py`` lies between 192 and 256 keys)."""
+``benchmarks/attention_kernels.py`` lies between 160 and 256 keys)."""
 
 NEUTRAL_KWARGS = frozenset(
     {"sliding_window", "position_ids", "use_cache", "cache_position", "output_attentions"}
@@ -45,9 +46,9 @@ NEUTRAL_KWARGS = frozenset(
 ``output_attentions`` only warns there); any other one that is set keeps SDPA."""
 
 
-@functools.lru_cache(maxsize=16)
 def _causal_blocked(queries: int, device: torch.device) -> torch.Tensor:
-    """``(1, 1, queries, queries)``: True above the diagonal (SDPA's ``is_causal``)."""
+    """``(1, 1, queries, queries)``: True above the diagonal (SDPA's ``is_causal``). Built at each
+    call: a cached one made under ``inference_mode`` could not be saved for backward later."""
     return torch.ones(queries, queries, dtype=torch.bool, device=device).triu(1)[None, None]
 
 
@@ -56,16 +57,20 @@ def _probabilities(
 ) -> torch.Tensor:
     """Softmax ``(B, kv_heads, group * queries, keys)`` of stacked ``q`` against ``k`` in fp32 (fp64
     for fp64); rows with every key blocked are 0."""
-    wide = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q, k.transpose(-1, -2)).to(wide).mul_(scale)
+    wide = torch.promote_types(q.dtype, torch.float32)  # fp32 scores, as the flash kernel keeps them
+    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)).mul_(scale)
     if blocked is not None:
         batch, kv_heads, rows, keys = scores.shape
         scores.view(batch, kv_heads, group, rows // group, keys).masked_fill_(
             blocked[:, :, None], float("-inf")
         )
     probabilities = torch.softmax(scores, dim=-1)
-    if blocked is not None and bool(blocked.all(-1).any()):
-        probabilities.nan_to_num_(0.0)
+    if blocked is not None:
+        empty = blocked.all(-1, keepdim=True)  # queries that see no key: 0, as SDPA gives
+        if bool(empty.any()):
+            batch, kv_heads, rows, keys = probabilities.shape
+            grouped = probabilities.view(batch, kv_heads, group, rows // group, keys)
+            grouped.masked_fill_(empty[:, :, None], 0.0)
     return probabilities
 
 
@@ -90,6 +95,7 @@ class _GemmAttention(torch.autograd.Function):
         return out.view(batch, heads, queries, v.shape[-1])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         stacked, k, v, out, blocked = ctx.saved_tensors
         scale, group = ctx.scale, ctx.group
@@ -97,7 +103,7 @@ class _GemmAttention(torch.autograd.Function):
         probabilities = _probabilities(stacked, k, blocked, scale, group)
         grad_v = torch.matmul(probabilities.to(v.dtype).transpose(-1, -2), grad_stacked)
         wide = probabilities.dtype
-        grad_p = torch.matmul(grad_stacked, v.transpose(-1, -2)).to(wide)
+        grad_p = torch.matmul(grad_stacked.to(wide), v.to(wide).transpose(-1, -2))
         rowwise = (grad_stacked.to(wide) * out.to(wide)).sum(-1, keepdim=True)
         grad_scores = probabilities.mul_(grad_p.sub_(rowwise)).mul_(scale).to(stacked.dtype)
         grad_q = torch.matmul(grad_scores, k).view(grad_out.shape[0], -1, grad_out.shape[2], k.shape[-1])
@@ -151,6 +157,8 @@ def applies(
         or attention_mask.shape[0] not in (1, query.shape[0])
         or attention_mask.shape[-2:] != (query.shape[2], key.shape[2])
     ):
+        return False
+    if attention_mask is None and query.shape[2] > key.shape[2]:  # SDPA's own corner: left to it
         return False
     if not all(value is None or value is False or name in NEUTRAL_KWARGS for name, value in kwargs.items()):
         return False
@@ -209,35 +217,37 @@ def gemm_sdpa_attention(
     if not applies(module, query, key, value, attention_mask, dropout, kwargs):
         return sdpa()
     blocked, keys = _blocked(module, query, key, attention_mask, is_causal)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     config = (
         query.dtype,
         query.shape[1],
         key.shape[1],
         query.shape[-1],
         value.shape[-1],
+        scale,
         query.shape[2] == 1,
-        attention_mask is None,
+        None if attention_mask is None else attention_mask.shape[0] == 1,
+        blocked is None,
+        keys < key.shape[2],
     )
-    if _CHECKED.get(config) is False:
-        return sdpa()
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = (
-        gemm_attention(query, key[:, :, :keys], value[:, :, :keys], blocked, scale)
-        .transpose(1, 2)
-        .contiguous()
-    )
-    if config not in _CHECKED:  # once per configuration: SDPA itself is the reference
+
+    def fast() -> torch.Tensor:
+        out = gemm_attention(query, key[:, :, :keys], value[:, :, :keys], blocked, scale)
+        return out.transpose(1, 2).contiguous()
+
+    if config not in _CHECKED:  # once per configuration, before any graph: SDPA is the reference
         with torch.no_grad():
             expected = sdpa()[0].float()
-            error = float((out.detach().float() - expected).abs().max())
+            error = float((fast().float() - expected).abs().max())
         _CHECKED[config] = error <= 2e-2 * max(float(expected.abs().max()), 1.0)
         if not _CHECKED[config]:
             warnings.warn(
                 f"CPU GEMM attention differs from SDPA (max {error:.3g}) for {config}: using SDPA",
                 stacklevel=2,
             )
-            return sdpa()
-    return out, None
+    if not _CHECKED[config]:
+        return sdpa()
+    return fast(), None
 
 
 def register_gemm_attention() -> None:
@@ -246,11 +256,33 @@ def register_gemm_attention() -> None:
     AttentionMaskInterface.register(GEMM_SDPA, sdpa_mask)
 
 
-def use_gemm_attention(model: Any) -> None:
-    """Switch ``model``'s attention from ``sdpa`` to :data:`GEMM_SDPA` (any other implementation is
-    left as it is)."""
+def _reads_the_name(model: Any) -> bool:
+    """Whether the model's own code compares its attention implementation with ``"sdpa"`` (Gemma 4's
+    shared-KV layers, Falcon): renamed, it would take another branch."""
+    import inspect
+    import sys
+
+    try:
+        source = inspect.getsource(sys.modules[type(model).__module__])
+    except (OSError, TypeError, KeyError):  # no source to read: assume it does
+        return True
+    return '"sdpa"' in source or "'sdpa'" in source
+
+
+def use_gemm_attention(model: Any) -> bool:
+    """Switch ``model``'s attention from ``sdpa`` to :data:`GEMM_SDPA`, where its family calls
+    attention through ``transformers``' attention interface and never reads the name; anything else
+    is left as it is. Returns whether it switched."""
     from lit_instruct.models.packing import attention_implementation
 
-    if attention_implementation(model) == "sdpa":
-        register_gemm_attention()
+    if attention_implementation(model) != "sdpa" or not getattr(model, "_supports_attention_backend", False):
+        return False
+    if _reads_the_name(model):
+        return False
+    register_gemm_attention()
+    try:
         model.set_attn_implementation(GEMM_SDPA)
+    except (ValueError, ImportError):  # a sub-model that cannot take it: SDPA everywhere, as loaded
+        model.set_attn_implementation("sdpa")
+        return False
+    return True

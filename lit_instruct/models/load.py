@@ -81,7 +81,8 @@ def load_base_model(
                 config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **extra
             )
         skeleton.config.use_cache = False
-        use_gemm_attention(skeleton)
+        if attn_implementation == "auto":
+            use_gemm_attention(skeleton)
         return skeleton
 
     kwargs: dict = {}
@@ -109,7 +110,8 @@ def load_base_model(
         **kwargs,
     )
     model.config.use_cache = False
-    use_gemm_attention(model)
+    if attn_implementation == "auto":  # an explicit sdpa keeps PyTorch's kernel
+        use_gemm_attention(model)
     if "quantization_config" in kwargs:
         keep_training_layout(model)
         check_training_layout(model, getattr(torch, dtype))

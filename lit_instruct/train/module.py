@@ -161,8 +161,10 @@ class InstructLoRAModule(L.LightningModule):
         compile_layers: ``torch.compile`` each decoder layer (dynamic shapes): faster steps after
             a compilation of a minute or more.
         attn_implementation: ``auto`` (what ``transformers`` picks for the family: SDPA, or eager
-            where SDPA cannot do the family's attention), ``sdpa``, ``eager``, or another
-            ``transformers`` implementation (packed batches need ``sdpa`` or ``eager``).
+            where SDPA cannot do the family's attention; SDPA runs as batched GEMMs on CPU in bf16
+            where that is faster, :mod:`lit_instruct.models.gemm_attention`), ``sdpa`` (PyTorch's
+            kernel always), ``eager``, or another ``transformers`` implementation (packed batches
+            need ``sdpa`` or ``eager``).
         packing: build the model for packed rows (``data.packing``; the CLI links the two): its
             attention runs sample by sample, after a check at build time that a packed row gives
             what its samples give alone (:func:`lit_instruct.models.packing.enable_packing`).
