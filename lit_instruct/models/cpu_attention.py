@@ -48,15 +48,40 @@ def _unstacked(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(heads, rows * kv_heads // heads, dim).permute(1, 0, 2)
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
     """The softmax's dtype: fp32 for bf16/fp16/fp32 inputs, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def attention_gradients(
+    probabilities: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    grad_out: torch.Tensor,
+    scale: float,
+    wide_grad_p: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of stacked ``q`` (``(..., rows, D)``), ``k`` and ``v`` (``(..., n, D)``) of
+    ``out = probabilities @ v``, ``probabilities = softmax(scale * q k^T + mask)``, given the
+    (recomputed, wide) ``probabilities``, which this overwrites. ``dO V^T`` is a GEMM in the wide
+    dtype with ``wide_grad_p``, else in the inputs' dtype and widened after."""
+    wide = probabilities.dtype
+    grad_v = torch.matmul(probabilities.to(v.dtype).transpose(-1, -2), grad_out)
+    if wide_grad_p:
+        grad_p = torch.matmul(grad_out.to(wide), v.to(wide).transpose(-1, -2))
+    else:
+        grad_p = torch.matmul(grad_out, v.transpose(-1, -2)).to(wide)
+    rowwise = (grad_out.to(wide) * out.to(wide)).sum(-1, keepdim=True)
+    grad_scores = probabilities.mul_(grad_p.sub_(rowwise)).mul_(scale).to(q.dtype)
+    return torch.matmul(grad_scores, k), torch.matmul(grad_scores.transpose(-1, -2), q), grad_v
 
 
 def _probabilities(q: torch.Tensor, k: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
     """Softmax probabilities ``(kv_heads, rows, n)`` (fp32, or fp64 for fp64 inputs) of stacked ``q``
     against ``k`` ``(kv_heads, n, D)``."""
-    scores = torch.bmm(q, k.transpose(1, 2)).to(_wide(q.dtype)).mul_(scale)
+    scores = torch.bmm(q, k.transpose(1, 2)).to(wide_dtype(q.dtype)).mul_(scale)
     scores.masked_fill_(_blocked(k.shape[1], window, q.shape[1] // k.shape[1]), float("-inf"))
     return torch.softmax(scores, dim=-1)
 
@@ -91,13 +116,10 @@ class _PackedCausalAttention(torch.autograd.Function):
             qs, ks, vs = _stacked(q[s:e], kv_heads), _stacked(k[s:e], kv_heads), _stacked(v[s:e], kv_heads)
             grad_os, os = _stacked(grad_out[s:e], kv_heads), _stacked(out[s:e], kv_heads)
             probabilities = _probabilities(qs, ks, scale, ctx.window)
-            grad_v[s:e] = _unstacked(torch.bmm(probabilities.to(q.dtype).transpose(1, 2), grad_os), kv_heads)
-            wide = _wide(q.dtype)
-            grad_p = torch.bmm(grad_os, vs.transpose(1, 2)).to(wide)
-            rowwise = (grad_os.to(wide) * os.to(wide)).sum(-1, keepdim=True)
-            grad_scores = probabilities.mul_(grad_p.sub_(rowwise)).mul_(scale).to(q.dtype)
-            grad_q[s:e] = _unstacked(torch.bmm(grad_scores, ks), heads)
-            grad_k[s:e] = _unstacked(torch.bmm(grad_scores.transpose(1, 2), qs), kv_heads)
+            grads = attention_gradients(probabilities, qs, ks, vs, os, grad_os, scale, wide_grad_p=False)
+            grad_q[s:e] = _unstacked(grads[0], heads)
+            grad_k[s:e] = _unstacked(grads[1], kv_heads)
+            grad_v[s:e] = _unstacked(grads[2], kv_heads)
         return grad_q, grad_k, grad_v, None, None, None
 
 

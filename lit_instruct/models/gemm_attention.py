@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from lit_instruct.models.cpu_attention import attention_gradients, wide_dtype
 from lit_instruct.precision import cpu_bf16
 
 GEMM_SDPA = "lit_gemm_sdpa"
@@ -57,7 +58,7 @@ def _probabilities(
 ) -> torch.Tensor:
     """Softmax ``(B, kv_heads, group * queries, keys)`` of stacked ``q`` against ``k`` in fp32 (fp64
     for fp64); rows with every key blocked are 0."""
-    wide = torch.promote_types(q.dtype, torch.float32)  # fp32 scores, as the flash kernel keeps them
+    wide = wide_dtype(q.dtype)  # fp32 scores, as the flash kernel keeps them
     scores = torch.matmul(q.to(wide), k.to(wide).transpose(-1, -2)).mul_(scale)
     if blocked is not None:
         batch, kv_heads, rows, keys = scores.shape
@@ -101,14 +102,10 @@ class _GemmAttention(torch.autograd.Function):
         scale, group = ctx.scale, ctx.group
         grad_stacked = grad_out.reshape(out.shape)
         probabilities = _probabilities(stacked, k, blocked, scale, group)
-        grad_v = torch.matmul(probabilities.to(v.dtype).transpose(-1, -2), grad_stacked)
-        wide = probabilities.dtype
-        grad_p = torch.matmul(grad_stacked.to(wide), v.to(wide).transpose(-1, -2))
-        rowwise = (grad_stacked.to(wide) * out.to(wide)).sum(-1, keepdim=True)
-        grad_scores = probabilities.mul_(grad_p.sub_(rowwise)).mul_(scale).to(stacked.dtype)
-        grad_q = torch.matmul(grad_scores, k).view(grad_out.shape[0], -1, grad_out.shape[2], k.shape[-1])
-        grad_k = torch.matmul(grad_scores.transpose(-1, -2), stacked)
-        return grad_q, grad_k, grad_v, None, None
+        grad_q, grad_k, grad_v = attention_gradients(
+            probabilities, stacked, k, v, out, grad_stacked, scale, wide_grad_p=True
+        )
+        return grad_q.view(grad_out.shape[0], -1, grad_out.shape[2], k.shape[-1]), grad_k, grad_v, None, None
 
 
 def gemm_attention(
