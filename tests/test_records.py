@@ -321,11 +321,12 @@ def test_fields_no_format_uses_are_counted_and_fields_we_cannot_honour_refused(t
     assert counts == Counter({"unused_field_id": 2, "unused_field_messages[].lang": 1})
 
     for field, value, what in (
-        ("images", ["cat.png"], "images (text-only training"),
-        ("rejected", "No.", "a preference pair"),
+        ("images", ["cat.png"], "': images are read in chat, ShareGPT and conversational prompt/completion"),
+        ("videos", ["cat.mp4"], "' holds videos (text-only training"),
+        ("rejected", "No.", "' holds a preference pair"),
     ):
         path = write_jsonl(tmp_path / f"{field}.jsonl", [{"prompt": "Hi", "completion": "Yo", field: value}])
-        with pytest.raises(DataError, match=re.escape(f"{path}:1: field '{field}' holds {what}")):
+        with pytest.raises(DataError, match=re.escape(f"{path}:1: field '{field}{what}")):
             read_source(path)
 
 
@@ -405,8 +406,9 @@ def refusal(tmp_path: Path, line: str) -> tuple[str, DataError]:
         (
             '{"prompt": [{"role": "user", "content": "Hi", "images": ["cat.png"]}], "completion": [{"role": '
             '"assistant", "content": "A cat."}]}',
-            "field 'prompt[0].images' holds images (text-only training: the model would learn answers about "
-            "pictures it never saw): refused",
+            "field 'prompt[0].images' holds images as a turn field (show each as an image part of the "
+            "turn's content, or list them in the record's images field with an <image> in the text where "
+            "each goes): refused",
         ),
     ],
     ids=[

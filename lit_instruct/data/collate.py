@@ -35,12 +35,21 @@ class PadCollator:
         pad_id: id written into padded positions (never a label, so pad == eos is safe).
         pad_to_multiple_of: round the batch length up to a multiple of this (tensor-core friendly).
         source: the name every batch carries as ``source``.
+        images: an :class:`~lit_instruct.data.image_batches.ImageInputs` (a vision-language model):
+            each batch carries its image tensors as ``images``.
     """
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: int | None = None, source: str | None = None) -> None:
+    def __init__(
+        self,
+        pad_id: int,
+        pad_to_multiple_of: int | None = None,
+        source: str | None = None,
+        images: Any = None,
+    ) -> None:
         self.pad_id = pad_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.source = source
+        self.images = images  # an ImageInputs: the batch's image tensors under ``images``
 
     def __call__(self, samples: Sequence[Sample]) -> dict[str, Any]:
         length = max(len(s.input_ids) for s in samples)
@@ -55,6 +64,8 @@ class PadCollator:
             labels[row, :n] = torch.tensor(sample.labels)
             attention_mask[row, :n] = 1
         batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        if self.images is not None:
+            batch["images"] = self.images(samples, input_ids)
         return {**batch, **_counts(samples, self.source)}
 
 
@@ -76,6 +87,11 @@ class PackCollator:
         positions: list[int] = []
         segments = [0]
         for sample in samples:
+            if sample.images:
+                raise ValueError(
+                    f"{sample.source}: a packed row cannot carry images (a vision-language model's attention "
+                    "and image positions are not split per sample): set data.packing: false"
+                )
             input_ids += sample.input_ids
             labels += [IGNORE_INDEX, *sample.labels[1:]]  # never predicted from the previous sample
             positions += range(len(sample.input_ids))

@@ -15,10 +15,12 @@ from torch.utils.data import DataLoader, Subset
 from lit_instruct.batch import BatchKind
 from lit_instruct.data.collate import PackCollator, PadCollator
 from lit_instruct.data.even_shards import EvenShards, UncountedPadding
+from lit_instruct.data.image_batches import ImageInputs
 from lit_instruct.data.loader_workers import ignore_stop_signals
 from lit_instruct.data.nothing_to_train import no_training_sample
 from lit_instruct.data.pair_batches import PairBatches
 from lit_instruct.data.prepare import DataSettings, PreparedData, TemplateRenderers, prepare
+from lit_instruct.data.processor import image_processor_of
 from lit_instruct.data.prompt_batches import PromptBatches
 from lit_instruct.data.records import RecordFormat
 from lit_instruct.data.render import MultiTurn, TrainOn
@@ -219,6 +221,8 @@ class InstructDataModule(L.LightningDataModule):
         self.new_tokens = new_tokens
         self.added_tokens: list[str] = []
         self.tokenizer: Any = None
+        self.processor: Any = None
+        """A vision-language model's processor (its image processor and template), else ``None``."""
         self.prepared: PreparedData | None = None
         self._set_up = False
         self.batch_kind = batch_kind
@@ -244,6 +248,7 @@ class InstructDataModule(L.LightningDataModule):
                 ids = add_tokens(tokenizer, self.added_tokens)
                 rank_zero_info(f"new tokens {self.added_tokens} (ids {ids}): the chat template renders them")
             self.tokenizer = tokenizer
+            self.processor = image_processor_of(self.tokenizer_name, tokenizer)
         return self.tokenizer
 
     def new_token_list(self) -> list[str]:
@@ -282,6 +287,7 @@ class InstructDataModule(L.LightningDataModule):
             self.model_vocab_size(),
             self.num_proc,
             self.data_cache_dir(),
+            self.processor,
         )
 
     @property
@@ -359,6 +365,8 @@ class InstructDataModule(L.LightningDataModule):
         one, plain-text data)."""
         tokenizer = self.load_tokenizer()
         chosen = {self.settings.template_for(source) for source in self.sources}
+        if self.processor is not None:  # a vision-language model's template is its processor's
+            chosen = {override or getattr(self.processor, "chat_template", None) for override in chosen}
         try:
             templates = {resolve_chat_template(tokenizer, override) for override in chosen}
         except ValueError:  # no template anywhere (plain-text data): nothing to remember
@@ -394,12 +402,13 @@ class InstructDataModule(L.LightningDataModule):
             return PackCollator(source)
         tokenizer = self.load_tokenizer()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return PadCollator(pad_id, self.pad_to_multiple_of, source)
+        images = ImageInputs(self.processor) if self.processor is not None else None
+        return PadCollator(pad_id, self.pad_to_multiple_of, source, images)
 
     def train_dataloader(self) -> DataLoader:
         feed, collate, size = self.feed, self._collator(), self.batch_size
         if isinstance(feed, StreamedFeed):
-            renderers = TemplateRenderers(self.load_tokenizer(), self.settings)
+            renderers = TemplateRenderers(self.load_tokenizer(), self.settings, self.processor)
             settings = renderers.settings(self.sources, self.model_vocab_size())
             return feed.loader(settings, size, collate, self.trainer)
         loader = feed.loader(

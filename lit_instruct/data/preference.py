@@ -58,7 +58,11 @@ FIELDS = frozenset(
     {"prompt", "chosen", "rejected", "system", "tools", "messages", "score_chosen", "score_rejected"}
 )
 """The record fields a preference pair reads; any other non-empty one is counted unused."""
-REFUSED = {name: why for name, why in REFUSED_FIELDS.items() if name not in ("chosen", "rejected")}
+REFUSED = {
+    **{name: why for name, why in REFUSED_FIELDS.items() if name not in ("chosen", "rejected")},
+    "images": "images (preference objectives train on text: the model would learn answers about pictures "
+    "it never saw)",
+}
 """Record fields that refuse the pair: what they hold would be lost."""
 
 

@@ -34,8 +34,9 @@ from lit_instruct.data.sources import DataSource, fingerprint, read_source
 from lit_instruct.data.store import SampleStore, StoreDamaged, check_files, file_checksums
 from lit_instruct.data.tokenize import TokenizeSettings, tokenize
 from lit_instruct.data.validation import BadRecordPolicy, LongSamplePolicy, Rejects
+from lit_instruct.data.vision_render import VisionRenderer
 
-CACHE_FORMAT = 2  # bump when what a cached store holds, or how it is made, changes
+CACHE_FORMAT = 3  # bump when what a cached store holds, or how it is made, changes
 logger = logging.getLogger("lit_instruct")
 
 
@@ -76,18 +77,23 @@ class PreparedData:
 
 
 class TemplateRenderers:
-    """One :class:`ChatRenderer` per distinct chat template (a source's own, else the settings')."""
+    """One :class:`ChatRenderer` per distinct chat template (a source's own, else the settings');
+    with a vision-language model's ``processor``, a :class:`VisionRenderer`."""
 
-    def __init__(self, tokenizer: Any, settings: DataSettings) -> None:
+    def __init__(self, tokenizer: Any, settings: DataSettings, processor: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.processor = processor
         self.data = settings
         self.renderers: dict[str | None, ChatRenderer] = {}
 
     def __call__(self, source: DataSource) -> ChatRenderer:
         template = self.data.template_for(source)
         if template not in self.renderers:
-            self.renderers[template] = ChatRenderer(
-                self.tokenizer, self.data.max_seq_len, template, self.data.multi_turn, self.data.train_on
+            settings = (self.data.max_seq_len, template, self.data.multi_turn, self.data.train_on)
+            self.renderers[template] = (
+                VisionRenderer(self.processor, *settings)
+                if self.processor is not None
+                else ChatRenderer(self.tokenizer, *settings)
             )
         return self.renderers[template]
 
@@ -95,6 +101,14 @@ class TemplateRenderers:
         """What :func:`tokenize` (or a stream) needs to render ``sources``."""
         renderers = [self(source) for source in sources]
         return TokenizeSettings(renderers, self.data.on_bad_record, self.data.on_long_sample, vocab_size)
+
+
+def image_processing_key(processor: Any) -> str | None:
+    """What of a vision-language model's processor decides its samples (its image processor's
+    settings, its chat template), as text for the cache key."""
+    if processor is None:
+        return None
+    return processor.image_processor.to_json_string() + str(getattr(processor, "chat_template", None))
 
 
 def drop_duplicates(records: list[Record], seen: set[Any], counts: Counter[str]) -> list[Record]:
@@ -126,6 +140,7 @@ def cache_key(
     tokenizer: Any,
     settings: DataSettings,
     vocab: int | None,
+    processor: Any = None,
 ) -> str:
     """A digest of every input of :func:`prepare`; weights are left out (they do not change samples)."""
 
@@ -142,6 +157,7 @@ def cache_key(
         "tokenizer_template": tokenizer.chat_template,
         "settings": asdict(settings),
         "vocab_size": vocab,
+        "processor": image_processing_key(processor),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -181,6 +197,7 @@ def prepare(
     vocab_size: int | None = None,
     num_proc: int = 1,
     cache_dir: Path | None = None,
+    processor: Any = None,
 ) -> PreparedData:
     """The tokenized train and validation stores of the sources (from ``cache_dir`` if there).
 
@@ -195,7 +212,7 @@ def prepare(
             raise ValueError(f"several {kind} sources are named {repeated}: give each a distinct name")
     folder = None
     if cache_dir is not None:
-        folder = cache_dir / cache_key(train_sources, val_sources, tokenizer, settings, vocab_size)
+        folder = cache_dir / cache_key(train_sources, val_sources, tokenizer, settings, vocab_size, processor)
         if folder.exists():
             try:
                 return _load(folder)
@@ -229,7 +246,7 @@ def prepare(
             val_records.append(records)
             val_names.append(name if name not in val_names else f"{name}-held-out")
             val_parts.append(source)
-    templates = TemplateRenderers(tokenizer, settings)
+    templates = TemplateRenderers(tokenizer, settings, processor)
     train_settings = templates.settings(train_sources, vocab_size)
     train, train_counts, train_rejects = tokenize(train_records, train_settings, names, num_proc)
     val_settings = templates.settings(val_parts, vocab_size)
@@ -261,9 +278,30 @@ def _save(prepared: PreparedData, folder: Path) -> None:
             "counts": prepared.counts,
             "rejects": prepared.rejects,
             "files": file_checksums(staging),
+            "images": image_files(prepared),
         }
         meta["crc32"] = _meta_checksum(meta)
         (staging / "meta.json").write_text(json.dumps(meta, ensure_ascii=False))
+
+
+def _image_stat(path: Path) -> list[int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def image_files(prepared: PreparedData) -> dict[str, list[int] | None]:
+    """Each image file the samples show -> its size and modification time (the images decide the
+    samples' tokens, yet live outside the data files the cache key reads)."""
+    files: set[str] = set()
+    for store in (prepared.train, prepared.val):
+        if not len(store.arrays["images"]):  # text only: no sample is read
+            continue
+        for sample in store:
+            files.update(ref for ref in sample.images if not ref.startswith("data:"))
+    return {name: _image_stat(Path(name)) for name in sorted(files)}
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:
@@ -292,6 +330,9 @@ def _load(folder: Path) -> PreparedData:
     """
     meta = _read_meta(folder)
     check_files(folder, meta["files"])
+    for name, stat in meta.get("images", {}).items():
+        if _image_stat(Path(name)) != stat:
+            raise StoreDamaged(Path(name), "an image the samples show changed since they were cached")
     counts = {
         split: {name: Counter(c) for name, c in by_source.items()}
         for split, by_source in meta["counts"].items()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from lit_instruct.data.strict_json import JSONProblem, StrictDecoder
@@ -71,7 +72,6 @@ def is_pair(raw: Any) -> bool:
 
 
 REFUSED_FIELDS = {
-    "images": "images (text-only training: the model would learn answers about pictures it never saw)",
     "videos": "videos (text-only training)",
     "audios": "audio (text-only training)",
     "chosen": f"a preference pair ({PAIRS_HINT})",
@@ -80,6 +80,12 @@ REFUSED_FIELDS = {
     "functions": "OpenAI's legacy functions (use tools)",
 }
 """Fields that mean something lit-instruct cannot honour: a record (or turn) carrying one is refused."""
+TURN_REFUSED_FIELDS = {
+    **REFUSED_FIELDS,
+    "images": "images as a turn field (show each as an image part of the turn's content, or list them "
+    "in the record's images field with an <image> in the text where each goes)",
+}
+"""What a turn cannot carry (a record's own ``images`` field is read: docs/images.md)."""
 
 
 @dataclass(frozen=True)
@@ -102,14 +108,14 @@ TURN_LAYOUTS = {
         frozenset(
             {"role", "content", "train", "weight", "tool_calls", "tool_call_id", "name", *REASONING_KEYS}
         ),
-        REFUSED_FIELDS,
+        TURN_REFUSED_FIELDS,
         {"from": "role", "value": "content"},
         "a messages turn is role and content: keep those",
     ),
     "sharegpt": TurnLayout(
         frozenset({"from", "value", "train", "weight"}),
         {
-            **REFUSED_FIELDS,
+            **TURN_REFUSED_FIELDS,
             "tool_calls": "tool calls, which a ShareGPT turn cannot carry (make the call a turn of its own, "
             f"from: function_call, or {_USE_MESSAGES})",
             "function_call": "a tool call, which a ShareGPT turn cannot carry as a field (make it a turn of "
@@ -151,10 +157,27 @@ class Message:
     reasoning: str | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    images: tuple[str, ...] = ()  # references (lit_instruct.data.images), in the order they are shown
+    image_slots: tuple[int, ...] = ()  # where each image sits in ``content`` (a character offset)
+
+    def content_parts(self) -> list[dict[str, Any]]:
+        """The content as transformers' multimodal parts: text and ``{"type": "image"}`` in order."""
+        parts: list[dict[str, Any]] = []
+        at = 0
+        for slot in self.image_slots:
+            if slot > at:
+                parts.append({"type": "text", "text": self.content[at:slot]})
+            parts.append({"type": "image"})
+            at = slot
+        if at < len(self.content) or not parts:
+            parts.append({"type": "text", "text": self.content[at:]})
+        return parts
 
     def for_template(self) -> dict[str, Any]:
-        """The turn as chat templates read it (OpenAI / transformers message layout)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        """The turn as chat templates read it (OpenAI / transformers message layout; a turn with
+        images as a list of parts)."""
+        content: Any = self.content_parts() if self.images else self.content
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.tool_calls is not None:
             message["tool_calls"] = json.loads(self.tool_calls)
         if self.reasoning is not None:
@@ -210,22 +233,46 @@ def _string_field(raw: dict[str, Any], key: str, source: str, optional: bool = F
 
 
 def _content(turn: dict[str, Any], key: str, where: str, source: str, optional: bool) -> str:
-    """A turn's text; OpenAI's list of ``{"type": "text", "text": ...}`` parts is joined."""
+    """A turn's text; OpenAI's list of ``{"type": "text", "text": ...}`` parts is joined (image
+    parts are taken out first by :func:`_with_image_parts`)."""
     value = turn.get(key)
     if isinstance(value, list):
         parts = []
         for k, part in enumerate(value):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES and "reference" in part:
+                continue
             if not (
                 isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
             ):
                 raise DataError(
                     source,
-                    f"field '{where}.{key}[{k}]' is not a text part (only text is supported)",
+                    f"field '{where}.{key}[{k}]' is not a text or image part",
                     "bad_type",
                 )
             parts.append(part["text"])
         return "".join(parts)
     return _string_field(turn, key, f"{source}: {where}", optional=optional)
+
+
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
+def _with_image_parts(message: Message, turn: dict[str, Any], key: str) -> Message:
+    """``message`` with the images of its content parts (references already, see
+    :mod:`lit_instruct.data.images`), each at the offset of the text before it."""
+    value = turn.get(key)
+    if not isinstance(value, list) or not any(
+        isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in value
+    ):
+        return message
+    images, slots, at = [], [], 0
+    for part in value:
+        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+            images.append(part["reference"])
+            slots.append(at)
+        elif isinstance(part, dict):
+            at += len(part.get("text", ""))
+    return replace(message, images=tuple(images), image_slots=tuple(slots))
 
 
 def _json_value(value: Any, field: str, source: str) -> Any:
@@ -343,7 +390,7 @@ def _chat_turn(turn: dict[str, Any], where: str, source: str) -> Message:
     if reasoning is not None and role != "assistant":
         raise DataError(source, f"field '{where}.{reasoning_key}' is on a {role} turn", "bad_role")
     content = _content(turn, "content", where, source, optional=tool_calls is not None)
-    return Message(
+    message = Message(
         role,
         content,
         _train_flag(turn, role, where, source),
@@ -352,6 +399,7 @@ def _chat_turn(turn: dict[str, Any], where: str, source: str) -> Message:
         _optional_string(turn, "tool_call_id", where, source),
         _optional_string(turn, "name", where, source),
     )
+    return _with_image_parts(message, turn, "content")
 
 
 def _sharegpt_turn(turn: dict[str, Any], where: str, source: str) -> Message:
@@ -364,7 +412,7 @@ def _sharegpt_turn(turn: dict[str, Any], where: str, source: str) -> Message:
     train = _train_flag(turn, role, where, source)
     if name == "function_call":
         return Message(role, "", train, tool_calls=_tool_calls(value, f"{where}.value", source))
-    return Message(role, value, train)
+    return _with_image_parts(Message(role, value, train), turn, "value")
 
 
 def _turns(raw: dict[str, Any], source: str, key: str) -> tuple[Message, ...]:
@@ -387,7 +435,7 @@ def _check_conversation(
     messages: tuple[Message, ...], source: str, field: str = "messages", text: str = "content"
 ) -> None:
     for i, message in enumerate(messages):
-        if not message.content.strip() and message.tool_calls is None:
+        if not message.content.strip() and message.tool_calls is None and not message.images:
             raise DataError(source, f"field '{field}[{i}].{text}' ({message.role}) is empty", "empty_content")
     if messages[-1].role != "assistant":
         last = len(messages) - 1
@@ -637,9 +685,14 @@ def detect_format(raw: dict[str, Any], source: str) -> RecordFormat:
 
 
 def to_record(
-    raw: Any, source: str, fmt: RecordFormat = "auto", columns: dict[str, str] | None = None
+    raw: Any,
+    source: str,
+    fmt: RecordFormat = "auto",
+    columns: dict[str, str] | None = None,
+    image_folder: Path | None = None,
 ) -> Record:
-    """Turn one parsed JSON value (or table row) into a :class:`Record`, checking its fields."""
+    """Turn one parsed JSON value (or table row) into a :class:`Record`, checking its fields
+    (``image_folder``: where relative image paths are read from, the data file's folder)."""
     if not isinstance(raw, dict):
         raise DataError(source, f"record must be a JSON object, got {type(raw).__name__}", "bad_type")
     raw = map_columns(raw, columns or {}, source)
@@ -647,5 +700,8 @@ def to_record(
         fmt = detect_format(raw, source)
     elif not set(FORMATS[fmt].required) <= set(raw):
         _refuse_other_format(raw, fmt, source)
+    from lit_instruct.data.images import with_image_references  # it reads DataError from here
+
+    raw = with_image_references(raw, fmt, image_folder, source)
     unused = _unused_fields(raw, fmt, source)
     return replace(FORMATS[fmt].parse(raw, source), unused=unused)

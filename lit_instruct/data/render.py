@@ -55,6 +55,7 @@ class Sample:
     labels: list[int]
     source: str
     full_length: int = 0
+    images: tuple[str, ...] = ()  # the references of the images it shows, in order
 
     @property
     def truncated(self) -> bool:
@@ -175,7 +176,9 @@ class Probes:
 
     def message(self, message: Message, field: str) -> Message:
         """``message`` with its content, reasoning, tool calls' names and argument names probed."""
+        probed = len(self.probes)
         content = self.stand_in(f"{field}.content", message.content, "the turn's text")
+        head = len(self.probes[probed].head) if len(self.probes) > probed else 0
         reasoning = message.reasoning and self.stand_in(
             f"{field}.reasoning_content", message.reasoning, "reasoning"
         )
@@ -188,7 +191,10 @@ class Probes:
                 self.stand_in(f"{where}.arguments", a, "tool calls"): v for a, v in arguments
             }
         tool_calls = json.dumps(calls, ensure_ascii=False) if calls is not None else None
-        return replace(message, content=content, reasoning=reasoning, tool_calls=tool_calls)
+        slots = tuple(slot + head for slot in message.image_slots)  # the images stay around the text
+        return replace(
+            message, content=content, reasoning=reasoning, tool_calls=tool_calls, image_slots=slots
+        )
 
     def tools(self, tools: str | None) -> str | None:
         """The record's tools (JSON) with each tool's name probed."""
@@ -399,7 +405,8 @@ class ChatRenderer:
         Raises:
             DataError: (``template_moves_context``) naming the record and the turn.
         """
-        previous = record.messages[i - 1].content.strip()
+        before = record.messages[i - 1]
+        previous = before.content[before.image_slots[-1] if before.images else 0 :].strip()
         where = self._render(record, i).rfind(previous) if previous else -1
         if where >= 0 and where + len(previous) > start:
             raise DataError(
@@ -473,8 +480,9 @@ class ChatRenderer:
                     return left + e
         return len(text)
 
-    def _sample(self, record: Record, encoding: Encoding, spans: list[tuple[int, int]]) -> Sample:
-        """Label the tokens starting inside ``spans``, truncate to ``max_seq_len``."""
+    def _sample(self, record: Record, text: str, encoding: Encoding, spans: list[tuple[int, int]]) -> Sample:
+        """Label the tokens of ``text`` (``encoding``) starting inside ``spans``, truncate to
+        ``max_seq_len``."""
         ids = encoding.ids
         labels = [IGNORE_INDEX] * len(ids)
         for k, (s, _) in enumerate(encoding.offsets):
@@ -506,17 +514,30 @@ class ChatRenderer:
                 )
         last = turns[-1] if turns else None  # a prefix-stable template's last turn is the whole text
         encoding = last.encoding if last and last.text == text else self._encode(text)
-        return self._sample(record, encoding, [(t.start, t.end) for t in turns if t.train])
+        return self._sample(record, text, encoding, [(t.start, t.end) for t in turns if t.train])
 
     def samples(self, record: Record) -> tuple[list[Sample], bool]:
         """The record's samples under ``multi_turn`` and ``train_on``, and whether it was split per
         turn."""
         if record.text is not None:
             return [self._text_sample(record)], False
+        self._check_images(record)
         samples, split = self._answer_samples(record)
         if self.train_on == "all":
             samples = [replace(sample, labels=list(sample.input_ids)) for sample in samples]
         return samples, split
+
+    def _check_images(self, record: Record) -> None:
+        """A text-only renderer refuses a record that shows images (the model would learn answers
+        about pictures it never saw)."""
+        shown = next((i for i, m in enumerate(record.messages) if m.images), None)
+        if shown is not None:
+            raise DataError(
+                record.source,
+                f"messages[{shown}] shows an image but the model has no image processor (a text-only "
+                "model): train a vision-language model (docs/images.md) or leave the images out",
+                reason="images_need_vision_model",
+            )
 
     def _answer_samples(self, record: Record) -> tuple[list[Sample], bool]:
         turns = self.answer_turns(record)
@@ -529,7 +550,7 @@ class ChatRenderer:
                 if self.multi_turn == "joint" or error.reason != "template_not_prefix_stable":
                     raise
         trained = [t for t in turns if t.train]  # a context-only answer is no sample of its own
-        return [self._sample(record, t.encoding, [(t.start, t.end)]) for t in trained], True
+        return [self._sample(record, t.text, t.encoding, [(t.start, t.end)]) for t in trained], True
 
     def _text_sample(self, record: Record) -> Sample:
         """A plain-text record, language-model style: every token trained, EOS appended."""

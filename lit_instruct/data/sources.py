@@ -423,7 +423,16 @@ def parse(raw: RawRecord, source: DataSource) -> Record:
     """
     if raw.error is not None:
         raise raw.error
-    return to_record(raw.value, raw.source, source.format, source.columns)
+    return to_record(raw.value, raw.source, source.format, source.columns, image_folder(source))
+
+
+def image_folder(source: DataSource) -> Path | None:
+    """Where ``source``'s relative image paths are read from: its folder, or its file's (``None``
+    for a hub dataset)."""
+    if not source.is_local:
+        return None
+    path = Path(source.path).expanduser().resolve()
+    return path if path.is_dir() else path.parent
 
 
 def count_unused(record: Record, counts: Counter[str] | None) -> None:

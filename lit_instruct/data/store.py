@@ -1,9 +1,10 @@
 """Tokenized samples in flat arrays, saved as ``.npy`` files and memory-mapped back.
 
 A :class:`SampleStore` holds every sample's token ids and labels end to end (int32), their
-boundaries, lengths before truncation, the index of the source each came from, and each sample's
-origin (``file:line``) as UTF-8 bytes. Loaded from disk, the arrays are memory-mapped: a corpus of
-millions of samples costs no Python objects until a batch asks for its samples.
+boundaries, lengths before truncation, the index of the source each came from, each sample's
+origin (``file:line``) and the references of the images it shows (JSON) as UTF-8 bytes. Loaded
+from disk, the arrays are memory-mapped: a corpus of millions of samples costs no Python objects
+until a batch asks for its samples.
 
 Saved files are checked when opened: :func:`file_checksums` lists each file's size and CRC-32 when
 it is written, :func:`check_files` refuses a file that is missing, of another size or whose bytes
@@ -24,7 +25,17 @@ import numpy as np
 
 from lit_instruct.data.render import Sample
 
-ARRAYS = ("input_ids", "labels", "offsets", "full_lengths", "source_ids", "origins", "origin_offsets")
+ARRAYS = (
+    "input_ids",
+    "labels",
+    "offsets",
+    "full_lengths",
+    "source_ids",
+    "origins",
+    "origin_offsets",
+    "images",
+    "image_offsets",
+)
 
 
 class StoreDamaged(OSError):
@@ -88,6 +99,7 @@ class SampleStore(Sequence[Sample]):
         samples = [(index, s) for index, part in parts for s in part]
         lengths = np.array([len(s.input_ids) for _, s in samples], dtype=np.int64)
         origins = [s.source.encode() for _, s in samples]
+        images = [json.dumps(list(s.images)).encode() if s.images else b"" for _, s in samples]
         arrays: dict[str, np.ndarray] = {
             "input_ids": np.fromiter(
                 (t for _, s in samples for t in s.input_ids), np.int32, int(lengths.sum())
@@ -98,6 +110,8 @@ class SampleStore(Sequence[Sample]):
             "source_ids": np.array([index for index, _ in samples], dtype=np.int32),
             "origins": np.frombuffer(b"".join(origins), dtype=np.uint8),
             "origin_offsets": np.concatenate([[0], np.cumsum([len(o) for o in origins])]).astype(np.int64),
+            "images": np.frombuffer(b"".join(images), dtype=np.uint8),
+            "image_offsets": np.concatenate([[0], np.cumsum([len(i) for i in images])]).astype(np.int64),
         }
         return cls(arrays, names)
 
@@ -109,7 +123,7 @@ class SampleStore(Sequence[Sample]):
 
         def joined(name: str) -> np.ndarray:
             parts = [s.arrays[name] for s in stores]
-            if name not in ("offsets", "origin_offsets"):
+            if name not in ("offsets", "origin_offsets", "image_offsets"):
                 return np.concatenate(parts)
             shifts = np.cumsum([0] + [int(p[-1]) for p in parts[:-1]])
             return np.concatenate(
@@ -148,11 +162,14 @@ class SampleStore(Sequence[Sample]):
             raise IndexError(index)
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         o_start, o_end = (int(x) for x in self.arrays["origin_offsets"][index : index + 2])
+        i_start, i_end = (int(x) for x in self.arrays["image_offsets"][index : index + 2])
+        images = json.loads(bytes(self.arrays["images"][i_start:i_end])) if i_end > i_start else []
         return Sample(
             self.arrays["input_ids"][start:end].tolist(),
             self.arrays["labels"][start:end].tolist(),
             bytes(self.arrays["origins"][o_start:o_end]).decode(),
             int(self.arrays["full_lengths"][index]),
+            tuple(images),
         )
 
     def __iter__(self) -> Iterator[Sample]:

@@ -7,7 +7,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -52,6 +52,18 @@ def quantization_device(environ: Mapping[str, str] = os.environ, cuda_devices: i
     return f"cuda:{local_rank}"
 
 
+def model_class(config: Any) -> Any:
+    """The ``transformers`` auto class that builds ``config``: the image-text-to-text class of a
+    vision-language model (its vision tower and projector kept), else the causal LM class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    vision = getattr(config, "vision_config", None) is not None
+    if vision and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_base_model(
     name: str,
     dtype: DType = "float32",
@@ -67,7 +79,7 @@ def load_base_model(
     With ``meta`` only its skeleton is built (no weights read, no memory), for a rank that receives
     its shards from rank 0 (:func:`lit_instruct.train.fsdp.fill_from_rank_zero`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if meta:
         if quantization is not None and quantization.method != "none":
@@ -77,7 +89,7 @@ def load_base_model(
         config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
         extra = {"attn_implementation": attn_implementation} if attn_implementation != "auto" else {}
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(
+            skeleton = model_class(config).from_config(
                 config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **extra
             )
         skeleton.config.use_cache = False
@@ -103,7 +115,8 @@ def load_base_model(
         kwargs["attn_implementation"] = attn_implementation
     if trust_remote_code:
         warnings.warn(f"trust_remote_code=True: code shipped with {name} will run", stacklevel=2)
-    model = AutoModelForCausalLM.from_pretrained(
+    config = AutoConfig.from_pretrained(resolve_model_path(name), trust_remote_code=trust_remote_code)
+    model = model_class(config).from_pretrained(
         resolve_model_path(name),
         dtype=getattr(torch, dtype),
         trust_remote_code=trust_remote_code,

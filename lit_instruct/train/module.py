@@ -481,6 +481,12 @@ class InstructLoRAModule(L.LightningModule):
         if self.router_aux_loss is not None:
             extra["output_router_logits"] = True
         mask = batch.get("attention_mask")
+        if batch.get("images") is not None:  # the vision tower, the projector, then the decoder
+            if "packed_segments" in batch:
+                raise ValueError(
+                    "a packed batch cannot carry images (their attention is not split per sample)"
+                )
+            decoder, extra = self.base_model.base_model, {**extra, **batch["images"]}
         out = decoder(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False, **extra)
         aux = None
         if self.router_aux_loss is not None:

@@ -1,0 +1,359 @@
+"""Images in conversations: records that name images, masks through each family's own processor,
+and one step's loss and LoRA gradients against the model's own ``forward(labels=...)``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from lit_instruct.data.collate import PackCollator
+from lit_instruct.data.datamodule import InstructDataModule
+from lit_instruct.data.records import DataError
+from lit_instruct.data.render import ChatRenderer
+from lit_instruct.data.sources import read_source
+from lit_instruct.labels import IGNORE_INDEX
+from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.train.module import InstructLoRAModule
+from tests.vision_families import VISION_FAMILIES, build_vision_family, write_images
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def user_with_image(image: str, text: str) -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+
+
+ROWS = [
+    {
+        "messages": [
+            user_with_image("images/red.png", "What colour is this?"),
+            {"role": "assistant", "content": "Red."},
+        ]
+    },
+    {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]},
+    {
+        "images": ["images/blue.png", "images/green.png"],
+        "messages": [
+            {"role": "user", "content": "<image> and <image>: which is bigger?"},
+            {"role": "assistant", "content": "The green one."},
+        ],
+    },
+    {
+        "image": "images/green.png",
+        "conversations": [
+            {"from": "human", "value": "<image>\nName the colour."},
+            {"from": "gpt", "value": "Green."},
+            {"from": "human", "value": "Sure?"},
+            {"from": "gpt", "value": "Yes."},
+        ],
+    },
+]
+ANSWERS = [["Red."], ["Hi!"], ["The green one."], ["Green.", "Yes."]]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("vision-data")
+    write_images(folder / "images")
+    return write_jsonl(folder / "train.jsonl", ROWS)
+
+
+def test_each_record_shape_places_its_images_where_its_text_says(data_file: Path) -> None:
+    records = read_source(data_file)
+    first, _, two, sharegpt = records
+    assert first.messages[0].images == (str(data_file.parent / "images" / "red.png"),)
+    assert first.messages[0].image_slots == (0,) and first.messages[0].content == "What colour is this?"
+    assert [Path(i).name for i in two.messages[0].images] == ["blue.png", "green.png"]
+    assert two.messages[0].image_slots == (0, 5) and two.messages[0].content == " and : which is bigger?"
+    assert two.messages[0].for_template()["content"] == [
+        {"type": "image"},
+        {"type": "text", "text": " and "},
+        {"type": "image"},
+        {"type": "text", "text": ": which is bigger?"},
+    ]
+    assert [Path(i).name for i in sharegpt.messages[0].images] == ["green.png"]
+    assert not any(m.images for m in sharegpt.messages[1:])
+
+
+def test_images_without_a_place_go_to_the_first_user_turn(data_file: Path, tmp_path: Path) -> None:
+    row = {"images": [str(data_file.parent / "images" / "red.png")], "messages": ROWS[1]["messages"]}
+    (record,) = read_source(write_jsonl(tmp_path / "d.jsonl", [row]))
+    assert record.messages[0].images and record.messages[0].image_slots == (0,)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            {"messages": [user_with_image("missing.png", "Hi"), {"role": "assistant", "content": "Yo"}]},
+            "field 'messages[0].content[0]': image file '{folder}/missing.png' does not exist",
+        ),
+        (
+            {"messages": [user_with_image("bad.png", "Hi"), {"role": "assistant", "content": "Yo"}]},
+            "field 'messages[0].content[0]': '{folder}/bad.png' is not an image PIL can read",
+        ),
+        (
+            {
+                "messages": [
+                    user_with_image("https://x.org/a.png", "Hi"),
+                    {"role": "assistant", "content": "Yo"},
+                ]
+            },
+            "field 'messages[0].content[0]' is a web URL",
+        ),
+        (
+            {
+                "images": ["red.png"],
+                "messages": [
+                    {"role": "user", "content": "<image><image>"},
+                    {"role": "assistant", "content": "Yo"},
+                ],
+            },
+            "field 'messages[0].content' shows an image but the record's 'images' has only 1",
+        ),
+        (
+            {
+                "images": ["red.png", "red.png"],
+                "messages": [
+                    {"role": "user", "content": "<image> hi"},
+                    {"role": "assistant", "content": "Yo"},
+                ],
+            },
+            "field 'images' lists 2 images but the turns show 1",
+        ),
+        (
+            {"images": ["red.png"], "instruction": "Hi", "output": "Yo"},
+            "field 'images': images are read in chat, ShareGPT",
+        ),
+    ],
+    ids=["missing", "unreadable", "web-url", "too-few", "too-many", "alpaca"],
+)
+def test_a_bad_image_is_a_file_line_error_naming_the_field(tmp_path: Path, row: dict, message: str) -> None:
+    write_images(tmp_path)
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    with pytest.raises(DataError) as error:
+        read_source(path)
+    assert str(error.value).startswith(f"{path}:1: " + message.format(folder=tmp_path))
+
+
+def test_a_text_only_model_refuses_records_with_images(data_file: Path, tokenizer) -> None:
+    record = read_source(data_file)[0]
+    with pytest.raises(DataError, match=r"train\.jsonl:1: messages\[0\] shows an image but the model has no"):
+        ChatRenderer(tokenizer, 64).samples(record)
+
+
+@pytest.fixture(scope="module", params=sorted(VISION_FAMILIES))
+def family(request, tmp_path_factory, smollm2_path) -> tuple[str, Path]:
+    return request.param, build_vision_family(
+        request.param, smollm2_path, tmp_path_factory.mktemp(request.param)
+    )
+
+
+def data_module(model: Path, data_file: Path, max_seq_len: int = 256) -> InstructDataModule:
+    module = InstructDataModule(
+        tokenizer=str(model),
+        train_files=[str(data_file)],
+        max_seq_len=max_seq_len,
+        batch_size=4,
+        val_fraction=0.0,
+        cache=False,
+        deduplicate=False,
+    )
+    module.setup("fit")
+    return module
+
+
+def test_answers_are_labelled_and_image_tokens_never(family, data_file: Path, tokenizer) -> None:
+    """Each sample's labels are its answers' tokens and end-of-turn markers, nothing else; the image
+    tokens (every id the family added to SmolLM2's vocabulary) are in the samples that show images
+    and never labelled."""
+    name, model = family
+    data = data_module(model, data_file)
+    image_ids = set(range(len(tokenizer), len(data.processor.tokenizer)))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    samples = list(data.train_samples)
+    assert [len(s.images) for s in samples] == [1, 0, 2, 1]
+    for sample, answers in zip(samples, ANSWERS, strict=True):
+        labelled = [label for label in sample.labels if label != IGNORE_INDEX]
+        expected = [t for a in answers for t in [*tokenizer(a, add_special_tokens=False)["input_ids"], end]]
+        assert labelled == expected, name
+        assert not image_ids & set(labelled)
+        assert bool(image_ids & set(sample.input_ids)) == bool(sample.images)
+
+
+def test_loss_and_lora_gradients_equal_the_models_own(family, data_file: Path) -> None:
+    """A batch mixing text-only and image samples: the module's loss and every LoRA gradient equal
+    the model's own ``forward(labels=...)`` with the same masks and pixels."""
+    name, model = family
+    data = data_module(model, data_file)
+    batch = next(iter(data.train_dataloader()))
+    assert batch["images"]["pixel_values"].shape[0] >= 1 and batch["input_ids"].shape[0] == 4
+    module = InstructLoRAModule(model=str(model), lora=LoRAConfig(r=4, alpha=8), loss="reference")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param_name, p in module.named_parameters():
+            if "lora_B" in param_name:
+                p.normal_(0.0, 0.05)
+    params = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    own = module.model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=batch["labels"],
+        use_cache=False,
+        **batch["images"],
+    ).loss
+    own_grads = torch.autograd.grad(own, list(params.values()))
+    sums = module.objective.sums(module, batch)
+    ours = sums.loss_sum / sums.count
+    our_grads = torch.autograd.grad(ours, list(params.values()))
+    torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-6)
+    for key, mine, theirs in zip(params, our_grads, own_grads, strict=True):
+        scale = float(theirs.abs().max())
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5 * scale, msg=f"{name} {key}")
+    frozen = ("vision", "connector", "projector")  # the vision tower and projector stay frozen
+    assert not [key for key in params if any(part in key for part in frozen)]
+    assert any(g.abs().max() > 0 for g in own_grads)
+
+
+def test_a_sample_is_cut_before_an_image_never_through_it(family, data_file: Path) -> None:
+    """A cut that would fall inside an image's tokens falls before them: the image is left out of
+    the sample, the tokens and labels kept are the whole sample's."""
+    name, model = family
+    row = {
+        "images": ["images/green.png"],
+        "messages": [
+            {"role": "user", "content": "Hello."},
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "<image> Colour?"},
+            {"role": "assistant", "content": "Green."},
+        ],
+    }
+    path = write_jsonl(data_file.parent / f"cut-{name}.jsonl", [row])
+    data = data_module(model, path)
+    whole, image_id = data.train_samples[0], AutoConfig.from_pretrained(model).image_token_id
+    inside = whole.input_ids.index(image_id) + 1
+    assert whole.input_ids[inside] == image_id  # the cut below falls between two of the image's tokens
+    cut = data_module(model, path, max_seq_len=inside + 1).train_samples[0]
+    assert cut.images == () and len(cut.input_ids) < inside and cut.full_length == len(whole.input_ids)
+    assert cut.input_ids == whole.input_ids[: len(cut.input_ids)]
+    assert torch.equal(torch.tensor(cut.labels), torch.tensor(whole.labels[: len(cut.labels)]))
+    assert any(label != IGNORE_INDEX for label in cut.labels)  # the first answer is kept
+
+
+def test_an_image_inside_an_answer_is_refused(family, data_file: Path) -> None:
+    name, model = family
+    row = {
+        "messages": [
+            {"role": "user", "content": "Draw red."},
+            {"role": "assistant", "content": [{"type": "image", "image": "images/red.png"}]},
+        ]
+    }
+    path = write_jsonl(data_file.parent / f"answer-{name}.jsonl", [row])
+    with pytest.raises(DataError, match=r":1: messages\[1\]: an image is inside an answer"):
+        data_module(model, path)
+
+
+def test_packing_refuses_samples_with_images(family, data_file: Path) -> None:
+    _, model = family
+    samples = list(data_module(model, data_file).train_samples)
+    with pytest.raises(ValueError, match=r"train\.jsonl:1: a packed row cannot carry images"):
+        PackCollator()(samples)
+
+
+def test_a_changed_image_rebuilds_the_cached_samples(tmp_path: Path, smollm2_path: Path) -> None:
+    model = build_vision_family("idefics3", smollm2_path, tmp_path / "model")
+    paths = write_images(tmp_path / "images")
+    data = write_jsonl(tmp_path / "d.jsonl", ROWS[:1])
+
+    def cached() -> InstructDataModule:
+        module = InstructDataModule(
+            tokenizer=str(model),
+            train_files=[str(data)],
+            max_seq_len=512,
+            val_fraction=0.0,
+            cache_dir=str(tmp_path / "cache"),
+        )
+        module.setup("fit")
+        return module
+
+    first = cached()
+    assert not first.prepared.cached
+    assert cached().prepared.cached
+    from PIL import Image
+
+    Image.new("RGB", (120, 40), (0, 0, 0)).save(paths["red"])  # wider: Idefics3 splits it otherwise
+    again = cached()
+    assert not again.prepared.cached
+    assert len(again.train_samples[0].input_ids) != len(first.train_samples[0].input_ids)
+
+
+def test_fit_trains_and_the_adapter_loads_with_peft_on_the_multimodal_class(
+    tmp_path: Path, smollm2_path: Path
+) -> None:
+    import lightning as L
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    model = build_vision_family("llava", smollm2_path, tmp_path / "model")
+    write_images(tmp_path / "images")
+    rows = [
+        {
+            "messages": [
+                user_with_image(f"images/{c}.png", "Colour?"),
+                {"role": "assistant", "content": f"{c}."},
+            ]
+        }
+        for c in ("red", "blue", "green")
+    ]
+    data = InstructDataModule(
+        tokenizer=str(model),
+        train_files=[str(write_jsonl(tmp_path / "d.jsonl", rows * 2))],
+        max_seq_len=128,
+        batch_size=2,
+        val_fraction=0.0,
+        deduplicate=False,
+        cache=False,
+    )
+    module = InstructLoRAModule(
+        model=str(model),
+        lora=LoRAConfig(r=4, alpha=8),
+        learning_rate=1e-2,
+        adapter_dir=str(tmp_path / "adapter"),
+    )
+    trainer = L.Trainer(
+        max_steps=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert "<image>" in (tmp_path / "adapter" / "chat_template.jinja").read_text()  # the processor's template
+    batch = next(iter(data.val_dataloader() if len(data.val_samples) else data.train_dataloader()))
+    module.eval()
+    with torch.no_grad():
+        ours = module.model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **batch["images"]
+        ).logits
+        base = AutoModelForImageTextToText.from_pretrained(model)
+        loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        inputs = {
+            "input_ids": batch["input_ids"],
+            "attention_mask": batch["attention_mask"],
+            **batch["images"],
+        }
+        theirs = loaded(**inputs).logits
+        with loaded.disable_adapter():
+            untrained = loaded(**inputs).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(theirs, untrained, atol=1e-3)
