@@ -15,10 +15,12 @@ from lit_instruct.data.datamodule import InstructDataModule
 from lit_instruct.data.records import DataError
 from lit_instruct.data.render import ChatRenderer
 from lit_instruct.data.sources import read_source
+from lit_instruct.errors import ConfigError
 from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.models.lora import LoRAConfig
+from lit_instruct.models.lora_targets import is_projector
 from lit_instruct.train.module import InstructLoRAModule
-from tests.vision_families import VISION_FAMILIES, build_vision_family, write_images
+from tests.vision_families import NO_LINEAR_PROJECTOR, VISION_FAMILIES, build_vision_family, write_images
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -189,14 +191,21 @@ def test_answers_are_labelled_and_image_tokens_never(family, data_file: Path, to
         assert bool(image_ids & set(sample.input_ids)) == bool(sample.images)
 
 
-def test_loss_and_lora_gradients_equal_the_models_own(family, data_file: Path) -> None:
+@pytest.mark.parametrize("vision", ["none", "projector", "all"])
+def test_loss_and_lora_gradients_equal_the_models_own(family, data_file: Path, vision: str) -> None:
     """A batch mixing text-only and image samples: the module's loss and every LoRA gradient equal
-    the model's own ``forward(labels=...)`` with the same masks and pixels."""
+    the model's own ``forward(labels=...)`` with the same masks and pixels, with the vision layers
+    frozen, the projector adapted, or every linear layer adapted."""
     name, model = family
     data = data_module(model, data_file)
     batch = next(iter(data.train_dataloader()))
     assert batch["images"]["pixel_values"].shape[0] >= 1 and batch["input_ids"].shape[0] == 4
-    module = InstructLoRAModule(model=str(model), lora=LoRAConfig(r=4, alpha=8), loss="reference")
+    lora = LoRAConfig(r=4, alpha=8, vision=vision)
+    if vision == "projector" and name in NO_LINEAR_PROJECTOR:
+        with pytest.raises(ConfigError, match=r"^model\.lora\.vision: projector, but .* has no linear layer"):
+            InstructLoRAModule(model=str(model), lora=lora, loss="reference")
+        return
+    module = InstructLoRAModule(model=str(model), lora=lora, loss="reference")
     torch.manual_seed(1)
     with torch.no_grad():
         for param_name, p in module.named_parameters():
@@ -218,9 +227,32 @@ def test_loss_and_lora_gradients_equal_the_models_own(family, data_file: Path) -
     for key, mine, theirs in zip(params, our_grads, own_grads, strict=True):
         scale = float(theirs.abs().max())
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5 * scale, msg=f"{name} {key}")
-    frozen = ("vision", "connector", "projector")  # the vision tower and projector stay frozen
-    assert not [key for key in params if any(part in key for part in frozen)]
-    assert any(g.abs().max() > 0 for g in own_grads)
+    text = decoder_name(module.base_model)
+    outside = {key for key in params if text not in key}
+    if vision == "none":
+        assert not outside
+    else:
+        untrained = [
+            k for k, g in zip(params, own_grads, strict=True) if k in outside and not g.count_nonzero()
+        ]
+        assert outside and not untrained
+    if vision == "projector":
+        assert all(is_projector(key) for key in outside)
+    if vision == "all":  # every linear layer of the model but the head has an adapter
+        unadapted = [
+            n
+            for n, m in module.base_model.named_modules()
+            if type(m) is torch.nn.Linear and "lora_" not in n and not n.endswith("base_layer")
+        ]
+        assert unadapted == ["lm_head"]
+
+
+def decoder_name(model: torch.nn.Module) -> str:
+    """The name of ``model``'s language model (its decoder trunk) among its modules."""
+    from lit_instruct.models.decoder import decoder_of
+
+    decoder = decoder_of(model)
+    return next(name for name, module in model.named_modules() if module is decoder)
 
 
 def test_a_sample_is_cut_before_an_image_never_through_it(family, data_file: Path) -> None:
@@ -357,3 +389,12 @@ def test_fit_trains_and_the_adapter_loads_with_peft_on_the_multimodal_class(
             untrained = loaded(**inputs).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(theirs, untrained, atol=1e-3)
+
+
+def test_packing_is_refused_when_the_data_is_read(family, data_file: Path) -> None:
+    _, model = family
+    data = InstructDataModule(
+        tokenizer=str(model), train_files=[str(data_file)], val_fraction=0.0, cache=False, packing=True
+    )
+    with pytest.raises(ConfigError, match=r"data\.packing: true cannot pack samples with images"):
+        data.setup("fit")

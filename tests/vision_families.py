@@ -83,7 +83,7 @@ def _gemma3(smollm2: Path) -> tuple[Any, Any]:
     )
     config = t.Gemma3Config(
         text_config={"vocab_size": len(tok), **TEXT, "sliding_window": 8},
-        vision_config={**VISION, "image_size": 28, "patch_size": 7},
+        vision_config={**VISION, "image_size": 28, "patch_size": 7, "vision_use_head": False},  # as Gemma 3's
         mm_tokens_per_image=4,
         image_token_id=tok.convert_tokens_to_ids("<image_soft_token>"),
         boi_token_id=tok.convert_tokens_to_ids("<start_of_image>"),
@@ -228,6 +228,9 @@ VISION_FAMILIES: dict[str, Callable[[Path], tuple[Any, Any]]] = {
 }
 """Every family whose processor ``transformers`` builds here (Mistral 3's Pixtral processor and
 Llama 4's image processor need torchvision whole; Qwen-VL's and SmolVLM's only for videos, left out)."""
+NO_LINEAR_PROJECTOR = {"gemma3"}
+"""Families whose projector has no linear layer (Gemma 3's is a weight matrix and a norm), which
+``model.lora.vision: projector`` refuses."""
 LABELS = {
     "llava": "LLaVA",
     "gemma3": "Gemma 3",
@@ -243,6 +246,10 @@ def build_vision_family(name: str, smollm2: Path, path: Path) -> Path:
     """Save a tiny random vision-language model of family ``name`` and its processor to ``path``."""
     torch.manual_seed(0)
     processor, model = VISION_FAMILIES[name](smollm2)
+    with torch.no_grad():  # a weight that starts at zero (Gemma 3's projector) cuts the image's path
+        for p in model.parameters():
+            if p.is_floating_point() and not p.any():
+                p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path

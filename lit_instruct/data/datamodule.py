@@ -328,6 +328,12 @@ class InstructDataModule(L.LightningDataModule):
             how = "memory-mapped from" if prepared.cached else "tokenized into"
             rank_zero_info(f"lit-instruct data: samples {how} the cache {prepared.folder}")
         self._write_rejects(prepared.rejects)  # the same on every rank: each prepared the same data
+        if self.packing and any(len(store.arrays["images"]) for store in (prepared.train, prepared.val)):
+            raise ConfigError(
+                "data.packing",
+                "true cannot pack samples with images (a vision-language model's attention and image "
+                "positions are not split per sample): set data.packing: false",
+            )
         if self.streaming:
             rank_zero_info("lit-instruct data [train]: streamed (read and rendered while training)")
         elif stage in ("fit", None) and (nothing := self.nothing_to_train()) is not None:

@@ -13,6 +13,7 @@ from lit_instruct.adapter_folder import adapter_tensors, read_config, read_weigh
 from lit_instruct.errors import ConfigError
 from lit_instruct.models.lora_targets import (
     LoRAConfigError,
+    VisionLoRA,
     check_coverage,
     check_lora_names,
     check_targeted,
@@ -68,6 +69,11 @@ class LoRAConfig:
     allow_partial: bool = False
     """Train even when peft could not put an adapter on every module asked for (they are named in
     the coverage line); otherwise that is an error at build."""
+    vision: VisionLoRA = "none"
+    """A vision-language model's linear layers outside its language model: ``none`` (frozen),
+    ``projector`` (adapters on the projector that maps image features into the decoder: LLaVA's
+    ``multi_modal_projector``, Idefics3's ``connector``, Qwen-VL's ``merger``) or ``all`` (the
+    vision tower's too). Needs ``target_modules: [all-linear]``."""
 
 
 def refuse_by_weight(lora: LoRAConfig, by_weight: list[str], residual: bool) -> None:
@@ -129,7 +135,7 @@ def attach_lora(
             "its adapter could not be saved as plain LoRA on the original base (nor can peft convert it)",
         )
     check_lora_names(model, lora)
-    targets = lora_targets(model, lora.target_modules, probe, lora.layers_to_transform)
+    targets = lora_targets(model, lora.target_modules, probe, lora.layers_to_transform, lora.vision)
     check_targeted(targets, lora)  # again after the probe forward, which may leave layers out
     by_weight = targets.parameters + targets.by_weight
     if by_weight:

@@ -31,7 +31,7 @@ import difflib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -181,8 +181,24 @@ def layer_index(name: str) -> int | None:
     return int(found.group("idx")) if found else None
 
 
+VisionLoRA = Literal["none", "projector", "all"]
+PROJECTOR_NAMES = ("multi_modal_projector", "connector", "merger", "vision_adapter")
+"""Module names of the projectors that map image features into a decoder: LLaVA's, Gemma 3's and
+Mistral 3's ``multi_modal_projector``, Idefics3's and SmolVLM's ``connector``, Qwen-VL's
+``merger`` (and Qwen3-VL's ``deepstack_merger_list``), Llama 4's ``vision_adapter``."""
+
+
+def is_projector(name: str) -> bool:
+    """Whether module ``name`` lies inside a vision-language model's projector."""
+    return any(part in PROJECTOR_NAMES or part.endswith("merger_list") for part in name.split("."))
+
+
 def lora_targets(
-    model: Any, target_modules: list[str], probe: bool = True, layers: Sequence[int] | None = None
+    model: Any,
+    target_modules: list[str],
+    probe: bool = True,
+    layers: Sequence[int] | None = None,
+    vision: VisionLoRA = "none",
 ) -> LoRATargets:
     """The modules (and for ``all-linear`` the expert weights) that must get adapters, within the
     decoder layers numbered ``layers`` if given (``layers_to_transform``). ``probe``: run one forward
@@ -193,15 +209,24 @@ def lora_targets(
     Raises:
         LoRAConfigError: a targeted linear subclass whose forward is not a plain linear map.
     """
-    targets = candidates(model, target_modules, probe)
+    targets = candidates(model, target_modules, probe, vision)
     if layers is not None:
         targets = within_layers(targets, layers)
     return _finish(model, targets)
 
 
-def candidates(model: Any, target_modules: list[str], probe: bool = False) -> LoRATargets:
+def candidates(
+    model: Any, target_modules: list[str], probe: bool = False, vision: VisionLoRA = "none"
+) -> LoRATargets:
     """The targets before the layer filter and the probe forward (names, classes and the linear
-    subclasses' probe only)."""
+    subclasses' probe only).
+
+    Raises:
+        ConfigError: ``vision`` other than ``none`` with targets named, on a text-only model, or
+            ``projector`` on a model whose projector has no name in :data:`PROJECTOR_NAMES`.
+    """
+    text = _language_model_prefix(model)
+    _check_vision(model, vision, target_modules, text)
     if target_modules not in (["all-linear"], "all-linear"):
         asked = [
             (name, m) for name, m in model.named_modules() if any(_matches(name, t) for t in target_modules)
@@ -212,14 +237,17 @@ def candidates(model: Any, target_modules: list[str], probe: bool = False) -> Lo
         return _check_linear_maps(model, targets)
     head = model.get_output_embeddings()
     mamba = getattr(model.config, "model_type", None) in MAMBA_MODEL_TYPES
-    text = _language_model_prefix(model)
     targets = LoRATargets(modules=[], probed=probe)
     for name, module in model.named_modules():
         if not is_linear(module) or module is head:
             continue
         reason = None
-        if not name.startswith(text):
-            reason = "outside the language model (vision or audio tower, projector: text never reaches it)"
+        if not name.startswith(text) and not (
+            vision == "all" or (vision == "projector" and is_projector(name))
+        ):
+            reason = (
+                "outside the language model (vision or audio tower, projector: model.lora.vision adapts them)"
+            )
         elif mamba and name.rsplit(".", 1)[-1] == "out_proj":
             reason = "Mamba out_proj (the fused Mamba kernels read its weight, never calling the layer)"
         _sort(targets, name, module, reason)
@@ -230,6 +258,30 @@ def candidates(model: Any, target_modules: list[str], probe: bool = False) -> Lo
         if p.dim() == 3 and not isinstance(module, nn.Conv1d) and module_name.startswith(text)
     )
     return _check_linear_maps(model, targets)
+
+
+def _check_vision(model: Any, vision: VisionLoRA, target_modules: list[str], text: str) -> None:
+    if vision == "none":
+        return
+    if target_modules not in (["all-linear"], "all-linear"):
+        raise ConfigError(
+            "model.lora.vision",
+            f"{vision} cannot be combined with model.lora.target_modules {target_modules} (it adds the "
+            "vision layers to all-linear): set target_modules: [all-linear], or name the layers there",
+        )
+    if not text:
+        raise ConfigError(
+            "model.lora.vision",
+            f"{vision}, but {type(model).__name__} is a text-only model (no vision tower): set none",
+        )
+    if vision == "projector" and not any(
+        is_projector(name) and is_linear(m) for name, m in model.named_modules()
+    ):
+        raise ConfigError(
+            "model.lora.vision",
+            f"projector, but {type(model).__name__} has no linear layer in a module named "
+            f"{', '.join(PROJECTOR_NAMES)}: set all, or name its layers in model.lora.target_modules",
+        )
 
 
 def _sort(targets: LoRATargets, name: str, module: nn.Module, reason: str | None) -> None:
@@ -458,7 +510,7 @@ def check_lora_names(model: nn.Module, lora: LoRAConfig) -> None:
     linear = [name for name, module in model.named_modules() if is_linear(module)]
     _check_target_modules(names, linear, lora.target_modules)
     _check_modules_to_save(names, lora.modules_to_save)
-    every = candidates(model, lora.target_modules)
+    every = candidates(model, lora.target_modules, vision=lora.vision)
     if lora.layers_to_transform is not None:
         _check_layers(names, lora)
         every = within_layers(every, lora.layers_to_transform)
