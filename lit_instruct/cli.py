@@ -666,7 +666,8 @@ def generate_main(argv: list[str]) -> None:
     """``lit-instruct generate``: answer a prompt with the training chat template, streaming tokens."""
     from transformers import TextStreamer
 
-    from lit_instruct.infer.generate import generate, load_for_generation
+    from lit_instruct.infer.generate import generate, load_for_generation, open_images, processor_for
+    from lit_instruct.vocabulary import adapter_tokenizer
 
     parser = argparse.ArgumentParser(prog="lit-instruct generate", description=generate_main.__doc__)
     parser.add_argument(
@@ -679,9 +680,23 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--chat-template", help=TEMPLATE_HELP)
+    parser.add_argument(
+        "--image", action="append", default=[], help="an image shown before the prompt (repeatable)"
+    )
     args = parser.parse_args(argv)
     check_paths(args)
+    images = open_images(args.image)
+    processor = None
+    if images:  # checked before the weights load: the model must take images
+        from lit_instruct.adapter_folder import adapter_base
+
+        base = args.model or (adapter_base(args.adapter) if args.adapter else "smollm2-135m-instruct")
+        processor = processor_for(args.model, args.adapter, adapter_tokenizer(args.adapter, base))
+        if processor is None:
+            raise ConfigError("--image", f"{base} takes no images (its folder has no image processor)")
     model, tokenizer = load_for_generation(args.model, args.adapter)
+    if processor is not None:
+        processor.tokenizer = tokenizer
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
     ]
@@ -696,6 +711,8 @@ def generate_main(argv: list[str]) -> None:
             top_p=args.top_p,
             streamer=streamer,
             chat_template=adapter_chat_template(args.adapter, args.chat_template),
+            images=images,
+            processor=processor,
         )
 
 

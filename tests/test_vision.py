@@ -398,3 +398,46 @@ def test_packing_is_refused_when_the_data_is_read(family, data_file: Path) -> No
     )
     with pytest.raises(ConfigError, match=r"data\.packing: true cannot pack samples with images"):
         data.setup("fit")
+
+
+def test_generate_answers_about_an_image_as_the_model_does(
+    tmp_path: Path, smollm2_path: Path, capsys
+) -> None:
+    """``lit-instruct generate --image`` gives the tokens the model's own ``generate`` gives on the
+    processor's inputs for the same conversation; a bad image or a text-only model is one line."""
+    from transformers import AutoModelForImageTextToText
+
+    from lit_instruct.cli import generate_main
+
+    model = build_vision_family("qwen2_vl", smollm2_path, tmp_path / "model")
+    image = write_images(tmp_path / "images")["green"]
+    generate_main(
+        ["--model", str(model), "--image", str(image), "--prompt", "Colour?", "--max-new-tokens", "6"]
+    )
+    ours = capsys.readouterr().out.strip()
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from lit_instruct.data.processor import image_processor_of
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    processor = image_processor_of(str(model), tokenizer)  # AutoProcessor's class, less its video part
+    net = AutoModelForImageTextToText.from_pretrained(model).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    pixels = [[Image.open(image).convert("RGB")]]
+    inputs = processor(text=[text], images=pixels, add_special_tokens=False, return_tensors="pt")
+    out = net.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    theirs = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    assert ours == theirs and ours
+
+    for argv, message in (
+        (
+            ["--model", str(model), "--image", str(tmp_path / "none.png")],
+            r"^--image: image file '.*none\.png' does",
+        ),
+        (["--model", str(smollm2_path), "--image", str(image)], r"^--image: .* takes no images"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            generate_main([*argv, "--prompt", "Hi"])

@@ -22,20 +22,37 @@ def generate(
     top_p: float = 1.0,
     chat_template: str | None = None,
     streamer: Any = None,
+    images: list[Any] | None = None,
+    processor: Any = None,
 ) -> str:
     """Answer ``prompt`` (a user message, or a list of chat messages) and return the answer text.
 
     ``temperature`` 0 is greedy decoding. Generation stops at the end-of-turn (EOS) token.
     ``streamer`` (e.g. ``transformers.TextStreamer``) receives tokens as they are produced.
+    ``images`` (PIL images) are shown before the last message's text, through a vision-language
+    model's ``processor``.
     """
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    messages: list[dict[str, Any]] = (
+        [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    )
+    if images:
+        if processor is None:
+            raise ValueError("images need a vision-language model's processor")
+        last = messages[-1]
+        parts: list[dict[str, Any]] = [{"type": "image"} for _ in images]
+        messages[-1] = {**last, "content": [*parts, {"type": "text", "text": last["content"]}]}
+        chat_template = chat_template or getattr(processor, "chat_template", None)
     text = tokenizer.apply_chat_template(
         messages,
         chat_template=resolve_chat_template(tokenizer, chat_template),
         tokenize=False,
         add_generation_prompt=True,
     )
-    inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(model.device)
+    if images:
+        inputs = processor(text=[text], images=[images], add_special_tokens=False, return_tensors="pt")
+        inputs = inputs.to(model.device)
+    else:
+        inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt").to(model.device)
     sampling = {"temperature": temperature, "top_p": top_p} if temperature > 0 else {}
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with contiguous_head_input(model):
