@@ -441,3 +441,33 @@ def test_generate_answers_about_an_image_as_the_model_does(
     ):
         with pytest.raises(ConfigError, match=message):
             generate_main([*argv, "--prompt", "Hi"])
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
+def test_qlora_keeps_the_vision_tower_in_full_precision_and_its_loss_is_the_models_own(
+    name: str, data_file: Path, tmp_path: Path, smollm2_path: Path
+) -> None:
+    pytest.importorskip("bitsandbytes")
+    from lit_instruct.models.load import QuantizationConfig
+
+    model = build_vision_family(name, smollm2_path, tmp_path / name)
+    batch = next(iter(data_module(model, data_file).train_dataloader()))
+    nf4 = QuantizationConfig(method="nf4", compute_dtype="float32")
+    module = InstructLoRAModule(
+        model=str(model), lora=LoRAConfig(r=4, alpha=8, vision="all"), quantization=nf4
+    )
+    kinds = {
+        (type(m).__name__, "language_model" in n)
+        for n, m in module.base_model.named_modules()
+        if type(m).__name__ in ("Linear", "Linear4bit") and "lora_" not in n
+    }
+    assert kinds == {("Linear4bit", True), ("Linear", False)}  # the decoder 4-bit, vision layers and head not
+    own = module.model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=batch["labels"],
+        use_cache=False,
+        **batch["images"],
+    ).loss
+    sums = module.objective.sums(module, batch)
+    torch.testing.assert_close(sums.loss_sum / sums.count, own, rtol=1e-5, atol=1e-6)

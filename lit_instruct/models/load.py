@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lit_instruct.model_names import resolve_model_path
+from lit_instruct.models.decoder import parts_outside_decoder
 from lit_instruct.models.four_bit import check_training_layout, keep_training_layout, require_bitsandbytes
 from lit_instruct.models.gemm_attention import use_gemm_attention
 
@@ -64,6 +65,16 @@ def model_class(config: Any) -> Any:
     return AutoModelForCausalLM
 
 
+def vision_parts(config: Any, trust_remote_code: bool = False) -> list[str]:
+    """The module names of a vision-language model's vision tower and projector (``[]`` for a text
+    model), read from its skeleton on the meta device: what a 4-bit base keeps in its compute dtype."""
+    if getattr(config, "vision_config", None) is None:
+        return []
+    with torch.device("meta"):
+        skeleton = model_class(config).from_config(config, trust_remote_code=trust_remote_code)
+    return parts_outside_decoder(skeleton)
+
+
 def load_base_model(
     name: str,
     dtype: DType = "float32",
@@ -103,8 +114,12 @@ def load_base_model(
 
         require_bitsandbytes()
         dtype = quantization.compute_dtype
+        skeleton_config = AutoConfig.from_pretrained(
+            resolve_model_path(name), trust_remote_code=trust_remote_code
+        )
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
+            llm_int8_skip_modules=["lm_head", *vision_parts(skeleton_config, trust_remote_code)],
             bnb_4bit_quant_type=quantization.method,
             bnb_4bit_use_double_quant=quantization.double_quant,
             bnb_4bit_compute_dtype=getattr(torch, dtype),
