@@ -471,3 +471,32 @@ def test_qlora_keeps_the_vision_tower_in_full_precision_and_its_loss_is_the_mode
     ).loss
     sums = module.objective.sums(module, batch)
     torch.testing.assert_close(sums.loss_sum / sums.count, own, rtol=1e-5, atol=1e-6)
+
+
+def test_a_merged_vision_language_model_loads_with_its_processor_and_answers_as_the_adapter(
+    tmp_path: Path, smollm2_path: Path, data_file: Path
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from lit_instruct.export.adapter import merge_adapter
+
+    model = build_vision_family("llava", smollm2_path, tmp_path / "model")
+    module = InstructLoRAModule(model=str(model), lora=LoRAConfig(r=4, alpha=8, vision="projector"))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for param_name, p in module.named_parameters():
+            if "lora_B" in param_name:
+                p.normal_(0.0, 0.05)
+    module.write_adapter(tmp_path / "adapter")
+    out = merge_adapter(tmp_path / "adapter", tmp_path / "merged")
+    batch = next(iter(data_module(model, data_file).train_dataloader()))
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], **batch["images"]}
+    with torch.no_grad():
+        merged = AutoModelForImageTextToText.from_pretrained(out).eval()(**inputs).logits
+        adapted = PeftModel.from_pretrained(
+            AutoModelForImageTextToText.from_pretrained(model), tmp_path / "adapter"
+        )
+        expected = adapted.eval()(**inputs).logits
+    torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
+    assert AutoProcessor.from_pretrained(out).image_token == "<image>"

@@ -14,6 +14,9 @@ from lit_instruct.adapter_folder import adapter_base, copy_adapter, read_weights
 from lit_instruct.export.gguf_vocab import SENTENCEPIECE_MODEL
 from lit_instruct.io import atomic_directory, check_finite
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+"""A vision-language model's processor files, copied into its merged model's folder."""
+
 export_adapter = copy_adapter
 """``export --out``: the clean PEFT folder (:func:`lit_instruct.adapter_folder.copy_adapter`)."""
 
@@ -41,8 +44,9 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     """Merge ``adapter`` into a full-precision copy of its base and save a standalone model.
 
     The output (safetensors, config, tokenizer and chat template) loads with
-    ``AutoModelForCausalLM.from_pretrained(out)``. ``base`` overrides the adapter's recorded
-    ``base_model_name_or_path``.
+    ``AutoModelForCausalLM.from_pretrained(out)`` (a vision-language model's with
+    ``AutoModelForImageTextToText``, its processor's files copied beside it). ``base`` overrides the
+    adapter's recorded ``base_model_name_or_path``.
     """
     from lit_instruct.model_names import resolve_model_path
 
@@ -51,7 +55,8 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     with atomic_directory(out, setting="--out") as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        sentencepiece = Path(resolve_model_path(adapter_base(adapter, base))) / SENTENCEPIECE_MODEL
-        if sentencepiece.is_file():  # the pieces' scores, which a GGUF of the merged model needs
-            shutil.copyfile(sentencepiece, staging / SENTENCEPIECE_MODEL)
+        base_folder = Path(resolve_model_path(adapter_base(adapter, base)))
+        for name in (SENTENCEPIECE_MODEL, *PROCESSOR_FILES):  # the pieces' scores a GGUF needs; images'
+            if (base_folder / name).is_file() and not (staging / name).exists():
+                shutil.copyfile(base_folder / name, staging / name)
     return Path(out)
