@@ -500,3 +500,13 @@ def test_a_merged_vision_language_model_loads_with_its_processor_and_answers_as_
         expected = adapted.eval()(**inputs).logits
     torch.testing.assert_close(merged, expected, rtol=1e-4, atol=1e-4)
     assert AutoProcessor.from_pretrained(out).image_token == "<image>"
+
+
+def test_gguf_export_of_a_vision_language_model_is_refused_naming_the_projector_file(family) -> None:
+    from lit_instruct.export.gguf import check_supported
+
+    _, model = family
+    with pytest.raises(
+        ValueError, match=r"llama\.cpp reads its vision tower and projector from a separate mmproj"
+    ):
+        check_supported(AutoConfig.from_pretrained(model))

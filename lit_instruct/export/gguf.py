@@ -143,6 +143,12 @@ def llama_cpp_rows(tensor: torch.Tensor, layer: str, family: Family, config: Any
 
 def check_supported(config: Any) -> Family:
     """The GGUF family of a ``transformers`` config, or a refusal naming what is supported."""
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError(
+            f"GGUF export of a vision-language model ({config.model_type}) is not written: llama.cpp reads "
+            "its vision tower and projector from a separate mmproj file, which lit-instruct does not write "
+            "yet; export --merge gives a model transformers loads (docs/images.md)"
+        )
     family = SUPPORTED.get(config.model_type)
     if family is None:
         raise ValueError(
