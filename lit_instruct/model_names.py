@@ -75,7 +75,19 @@ def prepare_smollm2(force: bool = False) -> Path:
     return target
 
 
-BUNDLED_MODELS: dict[str, Callable[..., Path]] = {SMOLLM2_NAME: prepare_smollm2}
+def prepare_smollm2_vision(force: bool = False) -> Path:
+    """The images demo's model (:mod:`lit_instruct.bundled_vlm`), built once from the prepared
+    SmolLM2 into the cache."""
+    from lit_instruct.bundled_vlm import VISION_NAME
+    from lit_instruct.bundled_vlm import prepare_smollm2_vision as build
+
+    return build(cache_dir() / VISION_NAME, prepare_smollm2(), force)
+
+
+BUNDLED_MODELS: dict[str, Callable[..., Path]] = {
+    SMOLLM2_NAME: prepare_smollm2,
+    "smollm2-135m-vision": prepare_smollm2_vision,
+}
 """Bundled model names and what prepares each (``force=True`` redoes it)."""
 HUB_IDS = {SMOLLM2_NAME: SMOLLM2_HUB_ID}
 """The hub id of each bundled model: the name adapters record, which loads the bundled copy here."""
@@ -108,7 +120,8 @@ def resolve_model_path(name: str) -> str:
 
 
 def portable_name(name: str) -> str:
-    """The name an adapter of base ``name`` records: a bundled model's hub id, else ``name`` as given
-    (a hub id, or the folder the user named), never this machine's cache path."""
+    """The name an adapter of base ``name`` records: a bundled model's hub id (its bundled name when
+    it has none: the images demo's), else ``name`` as given (a hub id, or the folder the user named),
+    never this machine's cache path."""
     bundled = bundled_name(name)
-    return HUB_IDS[bundled] if bundled is not None else name
+    return HUB_IDS.get(bundled, bundled) if bundled is not None else name

@@ -297,8 +297,16 @@ def test_inspect_exits_non_zero_on_bad_records(tiny_model_dir, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
-def test_inspect_works_on_every_bundled_config(config, tiny_model_dir, capsys) -> None:
-    """Each config parses and its data section renders (the tiny model shares SmolLM2's tokenizer)."""
-    args = ["inspect", "--config", str(ROOT / "configs" / config), "--model.model", str(tiny_model_dir)]
+def test_inspect_works_on_every_bundled_config(
+    config, tiny_model_dir, smollm2_path, tmp_path, capsys
+) -> None:
+    """Each config parses and its data section renders (the tiny models share SmolLM2's tokenizer;
+    the images config's is a tiny LLaVA)."""
+    model = tiny_model_dir
+    if config == "vlm.yaml":
+        from tests.vision_families import build_vision_family
+
+        model = build_vision_family("llava", smollm2_path, tmp_path / "llava")
+    args = ["inspect", "--config", str(ROOT / "configs" / config), "--model.model", str(model)]
     main([*args, "--samples", "1"])
     assert re.search(r"== train / \S+: \d+ samples", capsys.readouterr().out)

@@ -22,6 +22,8 @@ from lit_instruct.models.lora_targets import is_projector
 from lit_instruct.train.module import InstructLoRAModule
 from tests.vision_families import NO_LINEAR_PROJECTOR, VISION_FAMILIES, build_vision_family, write_images
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -510,3 +512,45 @@ def test_gguf_export_of_a_vision_language_model_is_refused_naming_the_projector_
         ValueError, match=r"llama\.cpp reads its vision tower and projector from a separate mmproj"
     ):
         check_supported(AutoConfig.from_pretrained(model))
+
+
+@pytest.mark.e2e
+def test_the_bundled_vision_model_reads_text_as_smollm2_does(smollm2_path: Path) -> None:
+    """The images demo's model carries SmolLM2's weights exactly: on text, its logits are SmolLM2's
+    (the ``<image>`` row aside)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from lit_instruct.model_names import resolve_model_path
+
+    vision = AutoModelForImageTextToText.from_pretrained(resolve_model_path("smollm2-135m-vision")).eval()
+    text = AutoModelForCausalLM.from_pretrained(smollm2_path).eval()
+    ids = AutoTokenizer.from_pretrained(smollm2_path)("The sky is blue because", return_tensors="pt")[
+        "input_ids"
+    ]
+    with torch.no_grad():
+        ours, theirs = vision(input_ids=ids).logits, text(input_ids=ids).logits
+    torch.testing.assert_close(ours[..., : theirs.shape[-1]], theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_vlm_config_trains_and_its_held_out_loss_falls(smollm2_path, tmp_path, monkeypatch) -> None:
+    """``lit-instruct fit --config configs/vlm.yaml`` (10 steps) on the shipped shapes."""
+    import csv
+
+    from lit_instruct.cli import main
+
+    monkeypatch.chdir(ROOT)  # the config names its data relative to the repository
+    csv_logger = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(tmp_path), "name": ""},
+    }
+    args = ["fit", "--config", "configs/vlm.yaml", "--trainer.logger", json.dumps(csv_logger)]
+    args += ["--trainer.max_steps", "10", "--trainer.val_check_interval", "10"]
+    args += ["--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "null"]
+    args += ["--trainer.enable_progress_bar", "false", "--model.adapter_dir", str(tmp_path / "adapter")]
+    main(args)
+    with open(tmp_path / "version_0" / "metrics.csv", encoding="utf-8") as rows:
+        validated = [float(row["val/loss"]) for row in csv.DictReader(rows) if row.get("val/loss")]
+    assert validated[-1] < 0.5 * validated[0]
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from lit_instruct.data.images import describe
 from lit_instruct.data.render import Sample
 from lit_instruct.data.store import SampleStore
 from lit_instruct.labels import IGNORE_INDEX
@@ -32,6 +34,41 @@ def segments(tokenizer: Any, sample: Sample) -> list[tuple[str, bool]]:
         else:
             runs.append(([token], trained))
     return [(tokenizer.decode(ids), trained) for ids, trained in runs]
+
+
+REPEATS_SHOWN = 4
+"""A special token repeated this many times in a row or more (an image's tokens) is shown once,
+with its count: ``<image>×16``."""
+
+
+def collapse_repeats(text: str, special: list[str]) -> str:
+    """``text`` with each run of :data:`REPEATS_SHOWN` or more copies of one special token as the
+    token and its count."""
+    if not special:
+        return text
+    names = "|".join(map(re.escape, sorted(set(special), key=len, reverse=True)))
+    pattern = re.compile(rf"({names})\1{{{REPEATS_SHOWN - 1},}}")
+    return pattern.sub(lambda m: f"{m.group(1)}×{len(m.group(0)) // len(m.group(1))}", text)
+
+
+def special_texts(tokenizer: Any) -> list[str]:
+    """The text of every special token of ``tokenizer`` (added ones included)."""
+    special = [str(t) for t in tokenizer.all_special_tokens]
+    return special + [str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+
+
+def thumbnail(reference: str, size: int = 96) -> str:
+    """An image as a small PNG data URL, for the HTML report."""
+    import base64
+    import io
+
+    from lit_instruct.data.images import open_image
+
+    image = open_image(reference)
+    image.thumbnail((size, size))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return f"data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}"
 
 
 def trained_count(sample: Sample) -> int:
@@ -92,15 +129,19 @@ def source_reports(
 def terminal_text(reports: list[SourceReport], tokenizer: Any, colour: bool) -> str:
     """The report as terminal text: trained runs green (``colour``) or in ``[[ ]]``."""
     lines = []
+    special = special_texts(tokenizer)
     for report in reports:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(report.counts.items()))
         lines += [f"== {report.split} / {report.name}: {report.length_line()}", f"   {counts}"]
         for n, sample in enumerate(report.samples, start=1):
             text = "".join(
-                (f"{GREEN}{BOLD}{t}{RESET}" if colour else f"[[{t}]]") if trained else t
+                (f"{GREEN}{BOLD}{t}{RESET}" if colour else f"[[{t}]]")
+                if trained
+                else collapse_repeats(t, special)
                 for t, trained in segments(tokenizer, sample)
             )
-            lines += [f"-- sample {n} ({sample_heading(sample)})", text]
+            shown = f", images: {', '.join(describe(i) for i in sample.images)}" if sample.images else ""
+            lines += [f"-- sample {n} ({sample_heading(sample)}{shown})", text]
     return "\n".join(lines) + "\n"
 
 
@@ -116,6 +157,7 @@ pre.sample { white-space: pre-wrap; background: #f6f6f6; padding: 1em; margin: 0
 .trained { background: #d6f5d6; outline: 1px solid #5b5; padding: 1px 0 3px; }
 .special { color: #a0a; font-weight: bold; }
 .legend span { padding: 0 .4em; }
+.images { padding: .5em 1em 0; background: #f6f6f6; } .thumb { max-height: 64px; margin-right: .5em; }
 .histogram text { font-size: 11px; fill: #444; } .histogram line { stroke: #888; }
 """
 
@@ -208,8 +250,7 @@ def _card_header(number: int, sample: Sample) -> str:
 
 def html_page(reports: list[SourceReport], tokenizer: Any, title: str) -> str:
     """The report as one self-contained HTML page."""
-    special = [str(t) for t in tokenizer.all_special_tokens]
-    special += [str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+    special = special_texts(tokenizer)
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
@@ -229,10 +270,17 @@ def html_page(reports: list[SourceReport], tokenizer: Any, title: str) -> str:
             body = "".join(
                 f'<span class="trained">{_marked(text, special)}</span>'
                 if trained
-                else _marked(text, special)
+                else _marked(collapse_repeats(text, special), special)
                 for text, trained in segments(tokenizer, sample)
             )
             parts.append(f'<article class="card">{_card_header(n, sample)}')
+            if sample.images:  # each image the sample shows, in order
+                thumbs = "".join(
+                    f'<img class="thumb" src="{thumbnail(i)}" title="{html.escape(describe(i))}" '
+                    f'alt="image {k + 1}">'
+                    for k, i in enumerate(sample.images)
+                )
+                parts.append(f'<div class="images">{thumbs}</div>')
             parts.append(
                 f'<pre class="sample" data-origin="{html.escape(sample.source)}">{body}</pre></article>'
             )

@@ -108,10 +108,26 @@ def fit_summary(trainer: L.Trainer, totals: FitTotals, adapter: Path | None) -> 
             lines.append(f"  {what}: {seconds:.1f} s ({share:.1%} of the fit)")
     if adapter is not None:
         lines.append(f"  adapter: {adapter}")
-        lines.append(
-            f'  try it:  {command_as_typed()} generate --adapter {adapter} --prompt "Hello! What can you do?"'
+        image = first_image(trainer)
+        prompt = (
+            f'--image {image} --prompt "Describe the image."'
+            if image
+            else '--prompt "Hello! What can you do?"'
         )
+        lines.append(f"  try it:  {command_as_typed()} generate --adapter {adapter} {prompt}")
     return "\n".join(lines)
+
+
+def first_image(trainer: L.Trainer) -> str | None:
+    """The first image file the training samples show (``None``: text only, or a stream)."""
+    data = getattr(trainer, "datamodule", None)
+    if getattr(data, "processor", None) is None or getattr(data, "prepared", None) is None:
+        return None
+    for sample in data.prepared.train:  # type: ignore[union-attr]  # checked above
+        image = next((i for i in sample.images if not i.startswith("data:")), None)
+        if image is not None:
+            return image
+    return None
 
 
 def command_as_typed() -> str:
