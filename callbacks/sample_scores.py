@@ -94,14 +94,15 @@ def held_out_conversations(samples: Iterable[Sample], tokenizer: Any, count: int
     ``auto`` with a template that rewrites earlier turns) is its last sample: consecutive samples
     of one record share its origin. Multi-turn conversations are prompted with every turn before
     their last answer (earlier answers included, as the data has them); a tool call is scored as
-    the text the chat template renders for it. Truncated samples and samples without a prompt
-    before their answer are left out."""
+    the text the chat template renders for it. Truncated samples, samples without a prompt
+    before their answer and samples that show images (answered from token ids, the images would be
+    missing) are left out."""
     found: list[HeldOut] = []
     if count < 1:
         return found
     for _, turns in itertools.groupby(samples, key=lambda sample: sample.source):
         *_, last = turns
-        item = as_held_out(last, tokenizer)
+        item = None if last.images else as_held_out(last, tokenizer)
         if item is not None:
             found.append(item)
             if len(found) == count:
@@ -253,7 +254,7 @@ class SampleScores(L.Callback):
             self._said_none = True
             rank_zero_warn(
                 "SampleScores: no validation conversation to answer (no validation data, or none with a "
-                "prompt before its answer and not truncated): it scores nothing"
+                "prompt before its answer, not truncated and without images): it scores nothing"
             )
         return found
 

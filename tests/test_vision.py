@@ -554,3 +554,14 @@ def test_the_vlm_config_trains_and_its_held_out_loss_falls(smollm2_path, tmp_pat
         validated = [float(row["val/loss"]) for row in csv.DictReader(rows) if row.get("val/loss")]
     assert validated[-1] < 0.5 * validated[0]
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_sample_scores_leave_out_held_out_samples_with_images(tokenizer) -> None:
+    """SampleScores answers from token ids: a sample with images would be answered without them."""
+    from callbacks.sample_scores import held_out_conversations
+    from lit_instruct.data.render import Sample
+
+    ids = tokenizer("Question? Answer.", add_special_tokens=False)["input_ids"]
+    labels = [IGNORE_INDEX] * 2 + ids[2:]
+    samples = [Sample(ids, labels, "a.jsonl:1", images=("red.png",)), Sample(ids, labels, "a.jsonl:2")]
+    assert [item.origin for item in held_out_conversations(samples, tokenizer, 4)] == ["a.jsonl:2"]
