@@ -282,22 +282,34 @@ def test_a_sample_is_cut_before_an_image_never_through_it(family, data_file: Pat
     assert any(label != IGNORE_INDEX for label in cut.labels)  # the first answer is kept
 
 
-def test_an_image_inside_an_answer_is_refused(family, data_file: Path) -> None:
-    name, model = family
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory, smollm2_path) -> Path:
+    """One tiny model, for the checks that do not depend on the family."""
+    return build_vision_family("llava", smollm2_path, tmp_path_factory.mktemp("llava"))
+
+
+def test_an_image_inside_an_answer_is_refused(llava: Path, data_file: Path) -> None:
+    """Refused from the record, before the template renders it (a special token in an answer would
+    otherwise end the answer's span early)."""
     row = {
         "messages": [
             {"role": "user", "content": "Draw red."},
             {"role": "assistant", "content": [{"type": "image", "image": "images/red.png"}]},
         ]
     }
-    path = write_jsonl(data_file.parent / f"answer-{name}.jsonl", [row])
+    path = write_jsonl(data_file.parent / "answer.jsonl", [row])
     with pytest.raises(DataError, match=r":1: messages\[1\]: an image is inside an answer"):
-        data_module(model, path)
+        data_module(llava, path)
 
 
-def test_packing_refuses_samples_with_images(family, data_file: Path) -> None:
-    _, model = family
-    samples = list(data_module(model, data_file).train_samples)
+def test_packing_refuses_samples_with_images(llava: Path, data_file: Path) -> None:
+    """When the data is read (before any weight), and by the packing collator itself."""
+    data = InstructDataModule(
+        tokenizer=str(llava), train_files=[str(data_file)], val_fraction=0.0, cache=False, packing=True
+    )
+    with pytest.raises(ConfigError, match=r"data\.packing: true cannot pack samples with images"):
+        data.setup("fit")
+    samples = list(data_module(llava, data_file).train_samples)
     with pytest.raises(ValueError, match=r"train\.jsonl:1: a packed row cannot carry images"):
         PackCollator()(samples)
 
@@ -391,15 +403,6 @@ def test_fit_trains_and_the_adapter_loads_with_peft_on_the_multimodal_class(
             untrained = loaded(**inputs).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(theirs, untrained, atol=1e-3)
-
-
-def test_packing_is_refused_when_the_data_is_read(family, data_file: Path) -> None:
-    _, model = family
-    data = InstructDataModule(
-        tokenizer=str(model), train_files=[str(data_file)], val_fraction=0.0, cache=False, packing=True
-    )
-    with pytest.raises(ConfigError, match=r"data\.packing: true cannot pack samples with images"):
-        data.setup("fit")
 
 
 def test_generate_answers_about_an_image_as_the_model_does(
@@ -565,3 +568,36 @@ def test_sample_scores_leave_out_held_out_samples_with_images(tokenizer) -> None
     labels = [IGNORE_INDEX] * 2 + ids[2:]
     samples = [Sample(ids, labels, "a.jsonl:1", images=("red.png",)), Sample(ids, labels, "a.jsonl:2")]
     assert [item.origin for item in held_out_conversations(samples, tokenizer, 4)] == ["a.jsonl:2"]
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_with_images_train_as_one_process(llava: Path, data_file: Path, tmp_path: Path) -> None:
+    """5 conversations (images in 4, two in one of them) on 2 ranks of batch 1: 3 steps equal one
+    process of batch 2, the third step's repeat (images and all) counting no token. The losses are
+    equal; the weights to 1% of one step (lr 1e-2): Adam divides each gradient component by its own
+    size, so a component near zero, summed in another order over ranks, moves its weight by more
+    than its rounding (2.4e-5 measured here; a wrong image or mask moves whole steps)."""
+    from tests.ddp_fit import run_ddp_fit
+    from tests.helpers import Recorder, make, trainer
+
+    blue = {
+        "messages": [
+            user_with_image("images/blue.png", "And this?"),
+            {"role": "assistant", "content": "Blue."},
+        ]
+    }
+    five = write_jsonl(data_file.parent / "five.jsonl", [*ROWS, blue])
+    args = {"model": str(llava), "data": str(five), "out": str(tmp_path / "two"), "batch_size": 1}
+    ranks = run_ddp_fit({**args, "max_steps": 3, "strategy": "ddp_lora"})
+    module, _ = make(llava, five)
+    data = InstructDataModule(tokenizer=str(llava), train_files=[str(five)], batch_size=2)  # as ddp_fit's
+    recorder = Recorder()
+    run = trainer(tmp_path / "one", max_steps=3, limit_val_batches=0, callbacks=[recorder])
+    run.fit(module, datamodule=data)
+    assert len(data.train_samples) == 5
+    for rank in ranks:
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"]), torch.tensor(recorder.losses), rtol=1e-6, atol=0
+        )
+        for name, value in module.trainable_state_dict().items():
+            torch.testing.assert_close(rank["weights_per_step"][-1][name], value, atol=1e-4, rtol=0, msg=name)
