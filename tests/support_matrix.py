@@ -16,6 +16,8 @@ from lit_instruct.loss.logits import LogitTransform
 from lit_instruct.models.lora import LoRAConfig, attach_lora
 from lit_instruct.models.output_head import logit_transform
 from tests.families import FAMILIES, LABELS, NO_PACKING, SHARP, tiny_model
+from tests.vision_families import DECODER_FAMILY
+from tests.vision_families import LABELS as VISION_LABELS
 
 MODELS_DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 START, END = "<!-- support-matrix:start -->", "<!-- support-matrix:end -->"
@@ -63,14 +65,22 @@ def row(name: str) -> str:
         exact,
         packed,
         _lora(coverage.line()),
+        _multimodal(name),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def _multimodal(name: str) -> str:
+    """The vision-language families on this decoder that ``tests/test_vision.py`` checks."""
+    found = [VISION_LABELS[v] for v, text in DECODER_FAMILY.items() if text == name]
+    return ", ".join(found) if found else "no"
 
 
 def matrix() -> str:
     header = (
         "| family | config | logits | attention | loss + LoRA grads = model's own | packed = padded "
-        "| LoRA at build (`all-linear`) |\n| --- | --- | --- | --- | --- | --- | --- |"
+        "| LoRA at build (`all-linear`) | multimodal (images) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     return "\n".join([header, *(row(name) for name in FAMILIES)])
 

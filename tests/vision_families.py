@@ -228,6 +228,17 @@ VISION_FAMILIES: dict[str, Callable[[Path], tuple[Any, Any]]] = {
 }
 """Every family whose processor ``transformers`` builds here (Mistral 3's Pixtral processor and
 Llama 4's image processor need torchvision whole; Qwen-VL's and SmolVLM's only for videos, left out)."""
+DECODER_FAMILY = {
+    "llava": "llama",
+    "idefics3": "llama",
+    "smolvlm": "llama",
+    "qwen2_vl": "qwen2",
+    "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "gemma3": "gemma3",
+}
+"""The text family (of ``tests/families.py``) of each vision-language family's decoder: the support
+matrix's multimodal column."""
 NO_LINEAR_PROJECTOR = {"gemma3"}
 """Families whose projector has no linear layer (Gemma 3's is a weight matrix and a norm), which
 ``model.lora.vision: projector`` refuses."""
