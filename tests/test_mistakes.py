@@ -121,6 +121,10 @@ MISTAKES = [
         "lit-instruct: config error: model.lora.target_modules: ['mlp']: ",
     ),
     (
+        ["--model.lora.vision", "all"],
+        "lit-instruct: config error: model.lora.vision: all, but LlamaForCausalLM is a text-only model",
+    ),
+    (
         ["--model.lora.layers_to_transform", "[5]"],
         "lit-instruct: config error: model.lora.layers_to_transform: 5 is not a layer of this model",
     ),

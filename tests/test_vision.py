@@ -601,3 +601,28 @@ def test_two_ddp_ranks_with_images_train_as_one_process(llava: Path, data_file: 
         )
         for name, value in module.trainable_state_dict().items():
             torch.testing.assert_close(rank["weights_per_step"][-1][name], value, atol=1e-4, rtol=0, msg=name)
+
+
+def test_a_missing_image_is_one_line_and_exit_2_before_any_weight(
+    llava: Path, tmp_path: Path, capsys
+) -> None:
+    """``lit-instruct fit`` on data naming an image that is not there: exit 2, one line with the
+    file, line and field, and the model's weights never read (they are unreadable here)."""
+    import shutil
+
+    from lit_instruct.cli import main
+
+    model = tmp_path / "unreadable"
+    shutil.copytree(llava, model)
+    (model / "model.safetensors").write_bytes(b"not weights")
+    rows = [{"messages": [user_with_image("gone.png", "Colour?"), {"role": "assistant", "content": "Red."}]}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    args = ["fit", "--config", str(ROOT / "configs" / "vlm.yaml"), "--model.model", str(model)]
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--data.train_files", f"[{data}]", "--trainer.default_root_dir", str(tmp_path / "runs")])
+    assert exited.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lit-instruct: data")]
+    assert lines == [
+        f"lit-instruct: data error: {data}:1: field 'messages[0].content[0]': image file "
+        f"'{tmp_path / 'gone.png'}' does not exist"
+    ]
