@@ -20,7 +20,13 @@ from lit_instruct.labels import IGNORE_INDEX
 from lit_instruct.models.lora import LoRAConfig
 from lit_instruct.models.lora_targets import is_projector
 from lit_instruct.train.module import InstructLoRAModule
-from tests.vision_families import NO_LINEAR_PROJECTOR, VISION_FAMILIES, build_vision_family, write_images
+from tests.vision_families import (
+    NO_LINEAR_PROJECTOR,
+    VISION_FAMILIES,
+    build_vision_family,
+    chatml_with_images,
+    write_images,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -626,3 +632,29 @@ def test_a_missing_image_is_one_line_and_exit_2_before_any_weight(
         f"lit-instruct: data error: {data}:1: field 'messages[0].content[0]': image file "
         f"'{tmp_path / 'gone.png'}' does not exist"
     ]
+
+
+def test_a_template_that_drops_an_earlier_image_is_refused(llava: Path, data_file: Path) -> None:
+    """Images are matched to their placeholders in order: a template that shows only the last turn's
+    images would give the first image the second's place, so it is refused."""
+    last_only = chatml_with_images("<image>").replace(
+        "part['type'] == 'image' %}<image>", "part['type'] == 'image' and loop.last %}<image>"
+    )
+    last_only = last_only.replace(
+        "{% for message in messages %}", "{% for message in messages %}{% set outer = loop %}"
+    )
+    last_only = last_only.replace("and loop.last %}", "and outer.index >= messages|length - 1 %}")
+    row = {
+        "messages": [
+            user_with_image("images/red.png", "This?"),
+            {"role": "assistant", "content": "Red."},
+            user_with_image("images/blue.png", "And this?"),
+            {"role": "assistant", "content": "Blue."},
+        ]
+    }
+    path = write_jsonl(data_file.parent / "two-images.jsonl", [row])
+    data = InstructDataModule(
+        tokenizer=str(llava), train_files=[str(path)], val_fraction=0.0, cache=False, chat_template=last_only
+    )
+    with pytest.raises(DataError, match=r"two-images\.jsonl:1: the chat template shows 1 image placeholders"):
+        data.setup("fit")

@@ -111,6 +111,7 @@ class AnswerTurn:
     start: int
     end: int
     train: bool = True
+    messages: int = 0  # how many of the record's messages ``text`` renders
 
 
 def common_prefix_length(a: str, b: str, block: int = 1 << 16) -> int:
@@ -366,7 +367,7 @@ class ChatRenderer:
             encoding = self._encode(through)
             end = self._answer_end(through, encoding, start)
             self._check_answer_shown(record, i, prefix, tag)
-            turns.append(AnswerTurn(through, encoding, start, end, message.train))
+            turns.append(AnswerTurn(through, encoding, start, end, message.train, i + 1))
             last = i
         if turns:
             self._check_context_shown(record, last, tag)
@@ -480,9 +481,11 @@ class ChatRenderer:
                     return left + e
         return len(text)
 
-    def _sample(self, record: Record, text: str, encoding: Encoding, spans: list[tuple[int, int]]) -> Sample:
-        """Label the tokens of ``text`` (``encoding``) starting inside ``spans``, truncate to
-        ``max_seq_len``."""
+    def _sample(
+        self, record: Record, text: str, encoding: Encoding, spans: list[tuple[int, int]], messages: int
+    ) -> Sample:
+        """Label the tokens of ``text`` (``encoding``: the rendering of the record's first ``messages``
+        messages) starting inside ``spans``, truncate to ``max_seq_len``."""
         ids = encoding.ids
         labels = [IGNORE_INDEX] * len(ids)
         for k, (s, _) in enumerate(encoding.offsets):
@@ -514,7 +517,8 @@ class ChatRenderer:
                 )
         last = turns[-1] if turns else None  # a prefix-stable template's last turn is the whole text
         encoding = last.encoding if last and last.text == text else self._encode(text)
-        return self._sample(record, text, encoding, [(t.start, t.end) for t in turns if t.train])
+        spans = [(t.start, t.end) for t in turns if t.train]
+        return self._sample(record, text, encoding, spans, len(record.messages))
 
     def samples(self, record: Record) -> tuple[list[Sample], bool]:
         """The record's samples under ``multi_turn`` and ``train_on``, and whether it was split per
@@ -550,7 +554,9 @@ class ChatRenderer:
                 if self.multi_turn == "joint" or error.reason != "template_not_prefix_stable":
                     raise
         trained = [t for t in turns if t.train]  # a context-only answer is no sample of its own
-        return [self._sample(record, t.text, t.encoding, [(t.start, t.end)]) for t in trained], True
+        return [
+            self._sample(record, t.text, t.encoding, [(t.start, t.end)], t.messages) for t in trained
+        ], True
 
     def _text_sample(self, record: Record) -> Sample:
         """A plain-text record, language-model style: every token trained, EOS appended."""

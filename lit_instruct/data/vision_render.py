@@ -54,11 +54,6 @@ class Expansion:
         return ranges
 
 
-def record_images(record: Record) -> list[str]:
-    """The references of the images ``record`` shows, in the order they are rendered."""
-    return [image for message in record.messages for image in message.images]
-
-
 class VisionRenderer(ChatRenderer):
     """A :class:`ChatRenderer` for a vision-language model: ``processor`` is its
     ``AutoProcessor`` (chat template, tokenizer, image processor); other arguments as there."""
@@ -117,15 +112,18 @@ class VisionRenderer(ChatRenderer):
             [tuple(r["new_span"]) for r in replaced],
         )
 
-    def _sample(self, record: Record, text: str, encoding: Encoding, spans: list[tuple[int, int]]) -> Sample:
+    def _sample(
+        self, record: Record, text: str, encoding: Encoding, spans: list[tuple[int, int]], messages: int
+    ) -> Sample:
+        images = [image for message in record.messages[:messages] for image in message.images]
         shown = text.count(self.image_token)
-        images = record_images(record)[:shown]
-        if shown > len(record_images(record)):
+        if shown != len(images):  # images are matched to placeholders by order: all must be shown
             raise DataError(
                 record.source,
-                f"the text holds the image token {self.image_token!r} {shown} times for "
-                f"{len(record_images(record))} images",
-                reason="special_token_in_content",
+                f"the chat template shows {shown} image placeholders ({self.image_token!r}) for the "
+                f"{len(images)} images of the turns it renders (it drops or adds images), so they cannot "
+                "be matched to their places; set a chat_template that shows every image part",
+                reason="template_drops_image",
             )
         expansion = self.expand(record, text, images)
         for (start, end), (image_start, image_end) in ((s, i) for s in spans for i in expansion.spans):
