@@ -29,6 +29,8 @@ def records(path: Path) -> Iterator[Any]:
             pos += BLOCK - pos % BLOCK
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        if pos + HEADER + length > len(data):  # a chunk the service is still writing
+            return
         pending += data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind in (1, 4):
@@ -50,9 +52,17 @@ def history(path: Path) -> list[dict[str, Any]]:
 def settled_history(path: Path, key: str, rows: int, timeout: float = 60.0) -> list[dict[str, Any]]:
     """:func:`history` once ``rows`` rows carry ``key``: W&B's service process writes the run file on its
     own schedule, and under load the last records can land after ``finish()`` has returned."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + timeout
     while True:
-        found = history(path)
+        try:
+            found = history(path)
+        except DecodeError:  # read while a record was half written: read again
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
         if sum(key in row for row in found) >= rows or time.monotonic() > deadline:
             return found
         time.sleep(0.5)

@@ -92,11 +92,11 @@ def image_bytes(reference: str) -> bytes:
 
 def open_image(reference: str) -> Any:
     """The image at ``reference`` as an RGB PIL image, fully decoded."""
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(image_bytes(reference))) as image:
         image.load()
-        return image.convert("RGB")
+        return ImageOps.exif_transpose(image).convert("RGB")  # a photo as taken (as transformers reads it)
 
 
 def check_image(reference: str, source: str, field: str) -> None:
@@ -199,6 +199,18 @@ def _turn_parts(content: Any, images: _Images, where: str) -> Any:
     return out
 
 
+def _json_text(value: Any) -> Any:
+    """``value``, parsed when it is JSON text (else as it is: the format's parser reports it)."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
 def with_image_references(raw: dict[str, Any], fmt: str, base: Path | None, source: str) -> dict[str, Any]:
     """``raw`` with every image it names as a checked reference inside its turns' content parts
     (its top-level ``images``/``image`` given out to the parts without one and to ``<image>``
@@ -228,9 +240,15 @@ def with_image_references(raw: dict[str, Any], fmt: str, base: Path | None, sour
     content_key = turn_lists[1] if turn_lists else "content"
     out = {key: value for key, value in raw.items() if key not in IMAGE_FIELDS or not images.listed}
     for key in lists:
-        turns = raw[key]
+        turns = _json_text(raw[key])  # a table column may keep the list as JSON text
         if not isinstance(turns, list):
-            return raw  # a JSON-text column or a bad type: the format's parser says what is wrong
+            if images.listed:
+                raise DataError(
+                    source,
+                    f"field '{images.field}' lists images but '{key}' is not a list of turns to show them in",
+                    "bad_image",
+                )
+            return raw  # a bad type: the format's parser says what is wrong
         new_turns = []
         for i, turn in enumerate(turns):
             if isinstance(turn, dict) and content_key in turn:

@@ -62,6 +62,8 @@ REFUSED = {
     **{name: why for name, why in REFUSED_FIELDS.items() if name not in ("chosen", "rejected")},
     "images": "images (preference objectives train on text: the model would learn answers about pictures "
     "it never saw)",
+    "image": "an image (preference objectives train on text: the model would learn answers about pictures "
+    "it never saw)",
 }
 """Record fields that refuse the pair: what they hold would be lost."""
 

@@ -108,7 +108,10 @@ def image_processing_key(processor: Any) -> str | None:
     settings, its chat template), as text for the cache key."""
     if processor is None:
         return None
-    return processor.image_processor.to_json_string() + str(getattr(processor, "chat_template", None))
+    settings = processor.to_json_string()  # the processor's own (image_seq_len, patch_size...) too
+    return (
+        settings + processor.image_processor.to_json_string() + str(getattr(processor, "chat_template", None))
+    )
 
 
 def drop_duplicates(records: list[Record], seen: set[Any], counts: Counter[str]) -> list[Record]:

@@ -26,6 +26,28 @@ def has_image_processor(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in PROCESSOR_FILES)
 
 
+def hub_folder(repo_id: str) -> Path | None:
+    """The local snapshot folder holding a hub model's processor file (downloaded once), ``None``
+    when it has none (a text-only model)."""
+    from transformers.utils import cached_file
+
+    try:
+        for name in PROCESSOR_FILES:
+            found = cached_file(repo_id, name, _raise_exceptions_for_missing_entries=False)
+            if found is not None:
+                for other in (
+                    "config.json",
+                    "tokenizer_config.json",
+                    "chat_template.jinja",
+                    *PROCESSOR_FILES,
+                ):
+                    cached_file(repo_id, other, _raise_exceptions_for_missing_entries=False)
+                return Path(found).parent
+    except (OSError, ValueError):  # offline and not cached: a record with images then says no processor
+        return None
+    return None
+
+
 def _processor_class_name(folder: Path) -> str | None:
     """The processor class a model's folder names (its ``processor_config.json``), else the one
     ``transformers`` maps its ``model_type`` to."""
@@ -68,9 +90,13 @@ def image_processor_of(model: str, tokenizer: Any) -> Any:
 
     from lit_instruct.model_names import resolve_model_path
 
-    folder = Path(resolve_model_path(model))
-    if not folder.is_dir() or not has_image_processor(folder):
+    location = resolve_model_path(model)
+    found: Path | None = Path(location)
+    if found is not None and not found.is_dir():  # a hub id: its processor files, through the hub's cache
+        found = hub_folder(location)
+    if found is None or not has_image_processor(found):
         return None
+    folder = found
     try:
         processor = AutoProcessor.from_pretrained(folder)
     except (AttributeError, ImportError, OSError, ValueError) as error:

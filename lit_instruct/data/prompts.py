@@ -89,6 +89,14 @@ def to_prompt_record(raw: Any, source: str) -> PromptRecord:
     awaited = Part("answer", [{"role": "assistant", "content": "(sampled)"}], whole=True)
     record = _record([*parts, awaited], raw.get("tools"), source)
     record = replace(record, messages=record.messages[:-1])
+    shown = next((i for i, m in enumerate(record.messages) if m.images), None)
+    if shown is not None:
+        raise DataError(
+            source,
+            f"messages[{shown}] shows an image: online RL samples from text prompts only (the policy would "
+            "answer without the image); leave the images out",
+            "images_in_prompts",
+        )
     columns = {name: value for name, value in raw.items() if name not in PROMPT_FIELDS}
     return PromptRecord(record, columns, source)
 

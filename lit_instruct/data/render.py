@@ -25,6 +25,7 @@ its text; a record with a field the template drops, even in part, is refused (``
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -407,7 +408,9 @@ class ChatRenderer:
             DataError: (``template_moves_context``) naming the record and the turn.
         """
         before = record.messages[i - 1]
-        previous = before.content[before.image_slots[-1] if before.images else 0 :].strip()
+        cuts = [0, *before.image_slots, len(before.content)]  # its text between its images
+        pieces = [before.content[a:b].strip() for a, b in itertools.pairwise(cuts)]
+        previous = next((piece for piece in reversed(pieces) if piece), "")
         where = self._render(record, i).rfind(previous) if previous else -1
         if where >= 0 and where + len(previous) > start:
             raise DataError(

@@ -77,6 +77,14 @@ class VisionRenderer(ChatRenderer):
         self.image_token: str = image_token
         self.first_cut = 1 << 62  # the processor expands whole texts: render every sample whole
 
+    def samples(self, record: Record) -> tuple[list[Sample], bool]:
+        """As the text renderer's, but ``train_on: all`` labels every token except the images' (done
+        in :meth:`_sample`, where their places are known)."""
+        if record.text is not None:
+            return super().samples(record)
+        self._check_images(record)
+        return self._answer_samples(record)
+
     def _check_images(self, record: Record) -> None:
         """Refuse an image in an answer: images are context (their tokens are never trained)."""
         shown = next((i for i, m in enumerate(record.messages) if m.images and m.role == "assistant"), None)
@@ -91,13 +99,19 @@ class VisionRenderer(ChatRenderer):
     def expand(self, record: Record, text: str, images: list[str]) -> Expansion:
         """``text`` with its ``images`` as the processor expands and tokenizes it."""
         loaded = [open_image(reference) for reference in images]
-        out = self.processor(
-            text=[text],
-            images=[loaded] if loaded else None,
-            return_text_replacement_offsets=True,
-            return_offsets_mapping=True,
-            add_special_tokens=False,
-        )
+        try:
+            out = self.processor(
+                text=[text],
+                images=[loaded] if loaded else None,
+                return_text_replacement_offsets=True,
+                return_offsets_mapping=True,
+                add_special_tokens=False,
+            )
+        except ValueError as error:  # an image it cannot take (Qwen-VL: an aspect ratio over 200)
+            names = ", ".join(describe(reference) for reference in images)
+            raise DataError(
+                record.source, f"the processor refused the images ({names}): {error}", reason="bad_image"
+            ) from error
         replaced = [r for r in (out.get("text_replacement_offsets") or [[]])[0] if r["type"] == "image"]
         if len(replaced) != len(images):
             raise DataError(
@@ -141,6 +155,10 @@ class VisionRenderer(ChatRenderer):
             if any(start <= s < end for start, end in moved):
                 labels[k] = ids[k]
         self._check_labels(record, encoding, spans, labels)
+        if self.train_on == "all":  # every token but the images'
+            labels = list(ids)
+            for first, last in expansion.image_tokens():
+                labels[first:last] = [IGNORE_INDEX] * (last - first)
         return self._truncated(record, ids, labels, images, expansion)
 
     def _check_labels(

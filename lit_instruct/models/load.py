@@ -117,9 +117,11 @@ def load_base_model(
         skeleton_config = AutoConfig.from_pretrained(
             resolve_model_path(name), trust_remote_code=trust_remote_code
         )
+        vision = vision_parts(skeleton_config, trust_remote_code)
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
-            llm_int8_skip_modules=["lm_head", *vision_parts(skeleton_config, trust_remote_code)],
+            # a vision tower and projector stay in the compute dtype; a text model: transformers' own list
+            llm_int8_skip_modules=["lm_head", *vision] if vision else None,
             bnb_4bit_quant_type=quantization.method,
             bnb_4bit_use_double_quant=quantization.double_quant,
             bnb_4bit_compute_dtype=getattr(torch, dtype),

@@ -508,6 +508,12 @@ def check_lora_names(model: nn.Module, lora: LoRAConfig) -> None:
     """
     names = [name for name, _ in model.named_modules() if name]
     linear = [name for name, module in model.named_modules() if is_linear(module)]
+    if lora.vision != "none" and lora.layers_to_transform is not None:
+        raise ConfigError(
+            "model.lora.vision",
+            f"{lora.vision} cannot be combined with model.lora.layers_to_transform (its indices are the "
+            "decoder's layers; the vision tower's are numbered apart): set one of them",
+        )
     _check_target_modules(names, linear, lora.target_modules)
     _check_modules_to_save(names, lora.modules_to_save)
     every = candidates(model, lora.target_modules, vision=lora.vision)
