@@ -112,7 +112,7 @@ def main(args: dict) -> None:
         rejects_file=str(Path(args["out"]) / "rejects.jsonl"),
     )
     checkpoints = (
-        [ModelCheckpoint(dirpath=args["out"], every_n_train_steps=args["ckpt_every"])]
+        [ModelCheckpoint(dirpath=args["out"], every_n_train_steps=args["ckpt_every"], save_top_k=-1)]
         if "ckpt_every" in args
         else []
     )

@@ -162,9 +162,9 @@ def test_two_ranks_resume_their_own_stream_positions_exactly(tiny_model_dir, cor
         "streaming": True,
         "batch_size": 2,
     }
-    full = run_ddp_fit({**common, "out": str(tmp_path / "full"), "max_steps": 6})
-    run_ddp_fit({**common, "out": str(tmp_path / "first"), "max_steps": 6, "stop_after": 3, "ckpt_every": 3})
-    path = tmp_path / "first" / "epoch=0-step=3.ckpt"
+    # the uninterrupted run's checkpoint at step 3 is the one a run stopped there writes
+    full = run_ddp_fit({**common, "out": str(tmp_path / "full"), "max_steps": 6, "ckpt_every": 3})
+    path = tmp_path / "full" / "epoch=0-step=3.ckpt"
     positions = torch.load(path, weights_only=True)["InstructDataModule"]["stream_positions"]
     assert positions == [[0, 5, 0], [0, 5, 0]]  # each rank: its 6 records of 12, one sample each
     resumed = run_ddp_fit(
