@@ -199,18 +199,6 @@ def _turn_parts(content: Any, images: _Images, where: str) -> Any:
     return out
 
 
-def _json_text(value: Any) -> Any:
-    """``value``, parsed when it is JSON text (else as it is: the format's parser reports it)."""
-    if isinstance(value, str):
-        import json
-
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
 def with_image_references(raw: dict[str, Any], fmt: str, base: Path | None, source: str) -> dict[str, Any]:
     """``raw`` with every image it names as a checked reference inside its turns' content parts
     (its top-level ``images``/``image`` given out to the parts without one and to ``<image>``
@@ -240,7 +228,11 @@ def with_image_references(raw: dict[str, Any], fmt: str, base: Path | None, sour
     content_key = turn_lists[1] if turn_lists else "content"
     out = {key: value for key, value in raw.items() if key not in IMAGE_FIELDS or not images.listed}
     for key in lists:
-        turns = _json_text(raw[key])  # a table column may keep the list as JSON text
+        turns = raw[key]
+        if isinstance(turns, str) and images.listed:  # a table column may keep the turns as JSON text
+            from lit_instruct.data.records import _json_value  # its strict reading: depth, repeated keys
+
+            turns = _json_value(turns, key, source)
         if not isinstance(turns, list):
             if images.listed:
                 raise DataError(
