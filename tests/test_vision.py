@@ -225,13 +225,7 @@ def test_loss_and_lora_gradients_equal_the_models_own(family, family_data, visio
             if "lora_B" in param_name:
                 p.normal_(0.0, 0.05)
     params = {n: p for n, p in module.named_parameters() if p.requires_grad}
-    own = module.model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        labels=batch["labels"],
-        use_cache=False,
-        **batch["images"],
-    ).loss
+    own = own_loss(module, batch)
     own_grads = torch.autograd.grad(own, list(params.values()))
     sums = module.objective.sums(module, batch)
     ours = sums.loss_sum / sums.count
@@ -258,6 +252,17 @@ def test_loss_and_lora_gradients_equal_the_models_own(family, family_data, visio
             if type(m) is torch.nn.Linear and "lora_" not in n and not n.endswith("base_layer")
         ]
         assert unadapted == ["lm_head"]
+
+
+def own_loss(module: InstructLoRAModule, batch: dict) -> torch.Tensor:
+    """The model's own ``forward(labels=...)`` loss on ``batch``, its images included."""
+    return module.model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=batch["labels"],
+        use_cache=False,
+        **batch["images"],
+    ).loss
 
 
 def decoder_name(model: torch.nn.Module) -> str:
@@ -478,13 +483,7 @@ def test_qlora_keeps_the_vision_tower_in_full_precision_and_its_loss_is_the_mode
         if type(m).__name__ in ("Linear", "Linear4bit") and "lora_" not in n
     }
     assert kinds == {("Linear4bit", True), ("Linear", False)}  # the decoder 4-bit, vision layers and head not
-    own = module.model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        labels=batch["labels"],
-        use_cache=False,
-        **batch["images"],
-    ).loss
+    own = own_loss(module, batch)
     sums = module.objective.sums(module, batch)
     torch.testing.assert_close(sums.loss_sum / sums.count, own, rtol=1e-5, atol=1e-6)
 

@@ -92,25 +92,36 @@ def _gemma3(smollm2: Path) -> tuple[Any, Any]:
     return processor, t.Gemma3ForConditionalGeneration(config)
 
 
-def _idefics3(smollm2: Path) -> tuple[Any, Any]:
-    import transformers as t
+def _idefics_layout(smolvlm: bool) -> Callable[[Path], tuple[Any, Any]]:
+    """Idefics3 or SmolVLM (its successor: the same layout, a processor that also takes videos)."""
 
-    tok = _tokenizer(smollm2, ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"])
-    processor = t.Idefics3Processor(
-        image_processor=t.Idefics3ImageProcessor(
-            size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
-        ),
-        tokenizer=tok,
-        chat_template=chatml_with_images("<image>"),
-        image_seq_len=4,
-    )
-    config = t.Idefics3Config(
-        text_config={"model_type": "llama", "vocab_size": len(tok), **TEXT},
-        vision_config={**VISION, "image_size": 28, "patch_size": 7},
-        scale_factor=2,
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-    )
-    return processor, t.Idefics3ForConditionalGeneration(config)
+    def build(smollm2: Path) -> tuple[Any, Any]:
+        import transformers as t
+
+        tok = _tokenizer(
+            smollm2, ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+        )
+        name = "SmolVLM" if smolvlm else "Idefics3"
+        processor_class = getattr(t, f"{name}Processor")
+        extra = {"video_processor": None} if smolvlm else {}
+        processor = (images_only(processor_class) if smolvlm else processor_class)(
+            image_processor=getattr(t, f"{name}ImageProcessor")(
+                size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
+            ),
+            tokenizer=tok,
+            chat_template=chatml_with_images("<image>"),
+            image_seq_len=4,
+            **extra,
+        )
+        config = getattr(t, f"{name}Config")(
+            text_config={"model_type": "llama", "vocab_size": len(tok), **TEXT},
+            vision_config={**VISION, "image_size": 28, "patch_size": 7},
+            scale_factor=2,
+            image_token_id=tok.convert_tokens_to_ids("<image>"),
+        )
+        return processor, getattr(t, f"{name}ForConditionalGeneration")(config)
+
+    return build
 
 
 def images_only(cls: Any) -> Any:
@@ -195,33 +206,11 @@ def _qwen_vl(version: str) -> Callable[[Path], tuple[Any, Any]]:
     return build
 
 
-def _smolvlm(smollm2: Path) -> tuple[Any, Any]:
-    import transformers as t
-
-    tok = _tokenizer(smollm2, ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"])
-    processor = images_only(t.SmolVLMProcessor)(
-        image_processor=t.SmolVLMImageProcessor(
-            size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
-        ),
-        tokenizer=tok,
-        video_processor=None,
-        chat_template=chatml_with_images("<image>"),
-        image_seq_len=4,
-    )
-    config = t.SmolVLMConfig(
-        text_config={"model_type": "llama", "vocab_size": len(tok), **TEXT},
-        vision_config={**VISION, "image_size": 28, "patch_size": 7},
-        scale_factor=2,
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-    )
-    return processor, t.SmolVLMForConditionalGeneration(config)
-
-
 VISION_FAMILIES: dict[str, Callable[[Path], tuple[Any, Any]]] = {
     "llava": _llava,
     "gemma3": _gemma3,
-    "idefics3": _idefics3,
-    "smolvlm": _smolvlm,
+    "idefics3": _idefics_layout(smolvlm=False),
+    "smolvlm": _idefics_layout(smolvlm=True),
     "qwen2_vl": _qwen_vl("2"),
     "qwen2_5_vl": _qwen_vl("2.5"),
     "qwen3_vl": _qwen_vl("3"),
