@@ -8,6 +8,7 @@ lit-instruct cache; tests skip with the reason where the registry cannot be reac
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tarfile
@@ -48,14 +49,36 @@ def converter_dir() -> Path:
     return folder
 
 
-RUN_WITH_PRE = """
-import runpy, sys
+RUN_MANY = """
+import json, runpy, sys, traceback
 sys.path.insert(0, {folder!r})
 from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-sys.argv = {argv!r}
-runpy.run_path(sys.argv[0], run_name="__main__")
+own_pre = TextModel.get_vocab_base_pre
+failed = {{}}
+for argv, pre in json.loads({jobs!r}):
+    TextModel.get_vocab_base_pre = own_pre if pre is None else (lambda self, tokenizer, pre=pre: pre)
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (0, None):
+            failed[argv[-1]] = "exit status " + str(stop.code)
+    except Exception:
+        failed[argv[-1]] = traceback.format_exc()[-3000:]
+print(json.dumps(failed))
 """
+
+
+def convert_many(jobs: list[tuple[Path, Path, str, str | None]]) -> dict[Path, str]:
+    """:func:`convert` for each ``(model_dir, out, outtype, tokenizer_pre)`` in one process (the
+    converter's imports paid once); the traceback of each conversion that failed, by ``out``."""
+    script = converter_dir() / "convert_hf_to_gguf.py"
+    argv = [([str(script), str(d), "--outtype", t, "--outfile", str(out)], pre) for d, out, t, pre in jobs]
+    code = RUN_MANY.format(folder=str(script.parent), jobs=json.dumps(argv))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    return {Path(out): error for out, error in failed.items()}
 
 
 def convert(model_dir: Path, out: Path, outtype: str = "f16", tokenizer_pre: str | None = None) -> Path:
@@ -64,14 +87,8 @@ def convert(model_dir: Path, out: Path, outtype: str = "f16", tokenizer_pre: str
     ``tokenizer_pre`` names the pre-tokenizer instead of the converter's hash of the tokenizer's output
     (a tiny model of another family with SmolLM2's vocabulary: ``transformers`` then loads the family's
     own tokenizer class, whose pre-tokenization the converter does not recognise)."""
-    script = converter_dir() / "convert_hf_to_gguf.py"
-    argv = [str(script), str(model_dir), "--outtype", outtype, "--outfile", str(out)]
-    command = [sys.executable, *argv]
-    if tokenizer_pre is not None:
-        code = RUN_WITH_PRE.format(folder=str(script.parent), pre=tokenizer_pre, argv=argv)
-        command = [sys.executable, "-c", code]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    failed = convert_many([(model_dir, out, outtype, tokenizer_pre)])
+    assert not failed, failed.get(out)
     return out
 
 
@@ -85,17 +102,76 @@ def convert_lora(adapter_dir: Path, base_dir: Path, out: Path, outtype: str = "f
     return out
 
 
+SCALARS = {
+    **{0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?"},
+    **{10: "<u8", 11: "<i8", 12: "<f8"},
+}
+"""GGUF's value types (``gguf.GGUFValueType``) of fixed size, as numpy dtypes; 8 is a string, 9 an array."""
+
+
+class _Cursor:
+    """Reads GGUF's little-endian values off a byte buffer, in order."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = data, 0
+
+    def take(self, dtype: str, count: int = 1) -> np.ndarray:
+        values = np.frombuffer(self.data, dtype=np.dtype(dtype), count=count, offset=self.at)
+        self.at += values.nbytes
+        return values
+
+    def number(self, dtype: str = "<u8") -> int:
+        return int(self.take(dtype)[0])
+
+    def string(self) -> str:
+        length = self.number()
+        self.at += length
+        return self.data[self.at - length : self.at].decode("utf-8")
+
+    def value(self, kind: int) -> Any:
+        if kind == 8:
+            return self.string()
+        if kind == 9:
+            item, count = self.number("<u4"), self.number()
+            if item == 8:
+                return [self.string() for _ in range(count)]
+            if item == 9:
+                return [self.value(9) for _ in range(count)]
+            return self.take(SCALARS[item], count).tolist()
+        return self.take(SCALARS[kind])[0].item()
+
+
 def contents(path: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], str, np.ndarray]]]:
-    """A GGUF file's metadata (key -> value) and tensors (name -> shape, type name, raw data)."""
+    """A GGUF file's metadata (key -> value) and tensors (name -> shape as stored, type name, data in
+    numpy's order: typed for float types, raw bytes per row for quantized ones), as ``gguf.GGUFReader``
+    reads them (checked against it by ``tests/test_gguf_reference.py``) without its per-token objects."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    metadata = {
-        name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")
-    }
-    tensors = {
-        t.name: (tuple(int(n) for n in t.shape), t.tensor_type.name, np.array(t.data)) for t in reader.tensors
-    }
+    cursor = _Cursor(Path(path).read_bytes())
+    cursor.at = 4
+    assert cursor.data[:4] == b"GGUF" and cursor.number("<u4") in (2, 3), f"{path}: not a GGUF file"
+    tensor_count, key_count = cursor.number(), cursor.number()
+    metadata = {}
+    for _ in range(key_count):
+        key = cursor.string()
+        metadata[key] = cursor.value(cursor.number("<u4"))
+    infos = []
+    for _ in range(tensor_count):
+        name = cursor.string()
+        dims = tuple(int(d) for d in cursor.take("<u8", cursor.number("<u4")))
+        infos.append((name, dims, gguf.GGMLQuantizationType(cursor.number("<u4")), cursor.number()))
+    alignment = int(metadata.get("general.alignment", 32))
+    start = -(-cursor.at // alignment) * alignment
+    tensors = {}
+    for name, dims, kind, offset in infos:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        rows = tuple(reversed(dims[1:]))
+        count = int(np.prod(dims)) // block * size
+        raw = np.frombuffer(cursor.data, dtype=np.uint8, count=count, offset=start + offset)
+        typed = {"F32": np.float32, "F16": np.float16, "F64": np.float64}.get(kind.name)
+        row = (dims[0],) if typed else (dims[0] // block * size,)
+        data = (raw.view(typed) if typed else raw).reshape(*rows, *row)
+        tensors[name] = (dims, kind.name, data)
     return metadata, tensors
 
 

@@ -13,7 +13,7 @@ import transformers
 from transformers import AddedToken, AutoModelForCausalLM, AutoTokenizer
 
 from lit_instruct.export.gguf import SUPPORTED, rope_factors, write_gguf
-from tests.llama_cpp import contents, convert, differences
+from tests.llama_cpp import contents, convert, convert_many, differences
 from tests.sentencepiece_vocab import PIECES, STYLES, as_the_hub_ships_it, sentencepiece_tokenizer
 
 pytestmark = pytest.mark.slow  # llama.cpp's converter in a subprocess: `make test-fast` leaves it out
@@ -81,15 +81,33 @@ def test_every_supported_family_is_checked_here() -> None:
     assert checked == set(SUPPORTED)
 
 
+def quants(name: str) -> tuple[str, ...]:
+    return ("f32", "q8_0") if name == "llama" else ("f16",)  # quantizing is family-blind
+
+
+@pytest.fixture(scope="module")
+def converted(tokenizer, tmp_path_factory) -> tuple[Path, dict[Path, str]]:
+    """Every family's tiny model (``folder/name/model``) converted by llama.cpp in one process (its
+    imports paid once), with the traceback of each conversion that failed."""
+    folder = tmp_path_factory.mktemp("families")
+    jobs = []
+    for name in FAMILIES:  # the converter reads the family off the folder's config
+        model_dir = tiny_model(name, tokenizer, folder / name / "model")
+        pre = None if FAMILIES[name][3] else "smollm"
+        jobs += [(model_dir, folder / name / f"theirs-{quant}.gguf", quant, pre) for quant in quants(name)]
+    return folder, convert_many(jobs)
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_our_gguf_equals_llama_cpps_converter(name, tokenizer, tmp_path) -> None:
-    folder = tiny_model(name, tokenizer, tmp_path / "model")  # the converter reads names off the folder's
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+def test_our_gguf_equals_llama_cpps_converter(name, converted) -> None:
+    folder, failed = converted
+    model = AutoModelForCausalLM.from_pretrained(folder / name / "model", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder / name / "model")
     pre = None if FAMILIES[name][3] else "smollm"
-    for quant in ("f32", "q8_0") if name == "llama" else ("f16",):  # quantizing is family-blind
-        theirs = convert(folder, tmp_path / f"theirs-{quant}.gguf", quant, tokenizer_pre=pre)
-        ours = write_gguf(model, tokenizer, tmp_path / f"ours-{quant}.gguf", quant, tokenizer_pre=pre)
+    for quant in quants(name):
+        theirs = folder / name / f"theirs-{quant}.gguf"
+        assert theirs not in failed, failed.get(theirs)
+        ours = write_gguf(model, tokenizer, folder / name / f"ours-{quant}.gguf", quant, tokenizer_pre=pre)
         assert differences(ours, theirs) == [], f"{name} {quant}"
 
 
@@ -253,3 +271,29 @@ def test_a_sentencepiece_vocabulary_needs_its_tokenizer_model(tmp_path) -> None:
     with pytest.raises(ValueError, match="is not this tokenizer's vocabulary"):
         write_gguf(model, tokenizer, tmp_path / "model.gguf", sentencepiece=Path(other))
     assert not (tmp_path / "model.gguf").exists()
+
+
+def test_the_tests_gguf_reader_reads_what_gguf_py_reads(tokenizer, tmp_path) -> None:
+    """``tests.llama_cpp.contents`` (which every comparison here uses) against gguf-py's own reader, on
+    a quantized file with a byte-level vocabulary and merges and on a LoRA file."""
+    import gguf
+    import numpy as np
+
+    from lit_instruct.export.gguf_lora import write_lora_gguf
+
+    base = tiny_model("llama", tokenizer, tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    written = [write_gguf(model, tokenizer, tmp_path / "q8.gguf", "q8_0", tokenizer_pre="smollm")]
+    adapter = trained_adapter(base, tmp_path / "adapter")
+    written.append(write_lora_gguf(adapter, tmp_path / "lora.gguf", "f16"))
+    for path in written:
+        reader = gguf.GGUFReader(path)
+        metadata, tensors = contents(path)
+        assert metadata == {n: f.contents() for n, f in reader.fields.items() if not n.startswith("GGUF.")}
+        assert list(tensors) == [t.name for t in reader.tensors]
+        for t in reader.tensors:
+            shape, kind, data = tensors[t.name]
+            assert (shape, kind) == (tuple(int(n) for n in t.shape), t.tensor_type.name)
+            expected = np.array(t.data)
+            assert (data.dtype, data.shape) == (expected.dtype, expected.shape), t.name
+            assert np.array_equal(data.view(np.uint8), expected.view(np.uint8)), t.name
