@@ -662,12 +662,29 @@ def export_files(args: argparse.Namespace) -> None:
     sys.stdout.write(f"{'merged model' if args.merge else 'adapter'} written to {out}\n")
 
 
+def image_processor(args: argparse.Namespace, required: bool) -> Any:
+    """The processor of the model ``generate``/``chat`` will load (``None``: it takes no images), read
+    before any weight.
+
+    Raises:
+        ConfigError: on ``--image``, when ``required`` and the model takes no images.
+    """
+    from lit_instruct.adapter_folder import adapter_base
+    from lit_instruct.infer.generate import processor_for
+    from lit_instruct.vocabulary import adapter_tokenizer
+
+    base = args.model or (adapter_base(args.adapter) if args.adapter else "smollm2-135m-instruct")
+    processor = processor_for(args.model, args.adapter, adapter_tokenizer(args.adapter, base))
+    if processor is None and required:
+        raise ConfigError("--image", f"{base} takes no images (its folder has no image processor)")
+    return processor
+
+
 def generate_main(argv: list[str]) -> None:
     """``lit-instruct generate``: answer a prompt with the training chat template, streaming tokens."""
     from transformers import TextStreamer
 
-    from lit_instruct.infer.generate import generate, load_for_generation, open_images, processor_for
-    from lit_instruct.vocabulary import adapter_tokenizer
+    from lit_instruct.infer.generate import generate, load_for_generation, open_images
 
     parser = argparse.ArgumentParser(prog="lit-instruct generate", description=generate_main.__doc__)
     parser.add_argument(
@@ -686,14 +703,7 @@ def generate_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     check_paths(args)
     images = open_images(args.image)
-    processor = None
-    if images:  # checked before the weights load: the model must take images
-        from lit_instruct.adapter_folder import adapter_base
-
-        base = args.model or (adapter_base(args.adapter) if args.adapter else "smollm2-135m-instruct")
-        processor = processor_for(args.model, args.adapter, adapter_tokenizer(args.adapter, base))
-        if processor is None:
-            raise ConfigError("--image", f"{base} takes no images (its folder has no image processor)")
+    processor = image_processor(args, required=bool(images)) if images else None
     model, tokenizer = load_for_generation(args.model, args.adapter)
     if processor is not None:
         processor.tokenizer = tokenizer
@@ -797,7 +807,7 @@ def chat_main(argv: list[str]) -> None:
     from transformers import TextStreamer
 
     from lit_instruct.infer.chat import KEYS, ChatSession, run_chat, terminal_reader
-    from lit_instruct.infer.generate import load_for_generation
+    from lit_instruct.infer.generate import load_for_generation, open_images
 
     parser = argparse.ArgumentParser(prog="lit-instruct chat", description=chat_main.__doc__, epilog=KEYS)
     parser.add_argument(
@@ -808,12 +818,22 @@ def chat_main(argv: list[str]) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--context-length", type=int, help="default: the model's max_position_embeddings")
     parser.add_argument("--chat-template", help=TEMPLATE_HELP)
+    parser.add_argument(
+        "--image", action="append", default=[], help="an image shown with the first message (repeatable)"
+    )
     args = parser.parse_args(argv)
     check_paths(args)
     args.chat_template = adapter_chat_template(args.adapter, args.chat_template)
+    images = open_images(args.image)
+    processor = image_processor(args, required=bool(images))  # before the weights: /image needs it
     model, tokenizer = load_for_generation(args.model, args.adapter)
-    context = args.context_length or getattr(model.config, "max_position_embeddings", 2048)
-    session = ChatSession(model, tokenizer, context, args.max_new_tokens, args.chat_template, args.system)
+    if processor is not None:
+        processor.tokenizer = tokenizer
+    text_config = model.config.get_text_config()  # a vision-language model's decoder
+    context = args.context_length or getattr(text_config, "max_position_embeddings", 2048)
+    session = ChatSession(
+        model, tokenizer, context, args.max_new_tokens, args.chat_template, args.system, processor, images
+    )
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with sharing_cores("chat", say=say):
         run_chat(session, terminal_reader(), sys.stdout, streamer)

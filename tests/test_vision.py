@@ -464,6 +464,85 @@ def test_generate_answers_about_an_image_as_the_model_does(
             generate_main([*argv, "--prompt", "Hi"])
 
 
+def test_chat_shows_each_image_with_its_message_as_the_model_does(
+    llava: Path, data_file: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """``lit-instruct chat --image`` and ``/image``: each answer is the model's own ``generate`` on the
+    processor's inputs for the whole conversation so far, earlier images included; a bad ``/image``
+    is a note and the chat goes on; ``--image`` on a text-only model is one line before any weight."""
+    import io
+    import shutil
+    import sys
+
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from lit_instruct.cli import chat_main
+    from lit_instruct.data.processor import image_processor_of
+
+    images = data_file.parent / "images"
+    typed = f"Colour?\n/image {images / 'none.png'}\n/image {images / 'blue.png'}\nAnd this?\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(typed))
+    chat_main(["--model", str(llava), "--image", str(images / "red.png"), "--max-new-tokens", "5"])
+    printed = capsys.readouterr().out
+    assert f"(/image: image file '{images / 'none.png'}' does not exist)" in printed
+    assert "(1 image will be shown with your next message)" in printed
+
+    tokenizer = AutoTokenizer.from_pretrained(llava)
+    processor = image_processor_of(str(llava), tokenizer)
+    net = AutoModelForImageTextToText.from_pretrained(llava).eval()
+
+    def answer(messages: list[dict], shown: list[str]) -> str:
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pixels = [[Image.open(images / name).convert("RGB") for name in shown]]
+        inputs = processor(text=[text], images=pixels, add_special_tokens=False, return_tensors="pt")
+        out = net.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    def asking(text: str) -> dict:
+        return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+
+    first = answer([asking("Colour?")], ["red.png"])
+    second = answer(
+        [asking("Colour?"), {"role": "assistant", "content": first}, asking("And this?")],
+        ["red.png", "blue.png"],
+    )
+    assert f"> {first}\n" in printed and f"> {second}\n" in printed and first and second
+
+    text_only = tmp_path / "text-only"
+    shutil.copytree(tiny_model_dir, text_only)
+    (text_only / "model.safetensors").write_bytes(b"not weights")  # never read
+    with pytest.raises(ConfigError, match=r"^--image: .* takes no images"):
+        chat_main(["--model", str(text_only), "--image", str(images / "red.png")])
+
+
+def test_chat_leaves_out_the_oldest_exchange_with_its_image(llava: Path, data_file: Path) -> None:
+    """The context budget counts each image as the tokens the processor expands it to; an exchange
+    left out for room takes its image with it."""
+    from transformers import AutoTokenizer
+
+    from lit_instruct.data.processor import image_processor_of
+    from lit_instruct.infer.chat import ChatSession
+    from lit_instruct.infer.generate import load_for_generation, open_images
+    from lit_instruct.models.generation import image_parts
+
+    model, tokenizer = load_for_generation(str(llava))
+    processor = image_processor_of(str(llava), AutoTokenizer.from_pretrained(llava))
+    red, blue = open_images([str(data_file.parent / "images" / f"{c}.png") for c in ("red", "blue")])
+    session = ChatSession(model, tokenizer, 10_000, max_new_tokens=2, processor=processor, images=[red])
+    session.reply("Colour?")
+    session.show_image(str(data_file.parent / "images" / "blue.png"))
+    session.reply("And this?")
+    whole = session.messages("Which?")
+    assert image_parts(whole) == [red, blue] and session.pending_images == []
+    text = processor.apply_chat_template(whole, tokenize=False, add_generation_prompt=True)
+    expanded = processor(text=[text], images=[[red, blue]], add_special_tokens=False)["input_ids"][0]
+    assert session.prompt_tokens(whole) == len(expanded) > len(tokenizer(text)["input_ids"])
+    session.context_length = len(expanded) + 2 - 1  # one token short of the whole conversation
+    kept = session.messages("Which?")
+    assert kept == whole[2:] and image_parts(kept) == [blue]
+
+
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
 def test_qlora_keeps_the_vision_tower_in_full_precision_and_its_loss_is_the_models_own(
     name: str, data_file: Path, tmp_path: Path, smollm2_path: Path

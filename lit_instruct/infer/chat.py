@@ -3,8 +3,9 @@
 Prompts are rendered with the template training used
 (:func:`~lit_instruct.templates.resolve_chat_template`). The history is kept within the model's
 context: when the rendered conversation plus the answer's token budget would not fit, the oldest
-exchanges are left out (the system prompt stays). Commands: ``/reset`` forgets the history,
-``/system TEXT`` sets the system prompt (and resets), ``/exit`` ends.
+exchanges are left out (the system prompt stays), with their images. Commands: ``/reset`` forgets
+the history, ``/system TEXT`` sets the system prompt (and resets), ``/image PATH`` shows an image
+with the next message (a vision-language model; ``--image`` does so for the first), ``/exit`` ends.
 
 Keys: Ctrl-C during an answer stops it and returns to the prompt; the part shown stays in the
 conversation (an answer stopped before its first token is dropped with its message). Ctrl-C or Ctrl-D
@@ -19,13 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
-from lit_instruct.infer.generate import generate
+from lit_instruct.infer.generate import generate, open_images
+from lit_instruct.models.generation import prompt_inputs
 from lit_instruct.templates import resolve_chat_template
 
-HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /exit"
+HELP = (
+    "commands: /reset (forget the conversation), /system TEXT (set the system prompt), "
+    "/image PATH (show an image with the next message), /exit"
+)
 KEYS = (
     "Ctrl-C stops an answer (the part shown stays in the conversation); "
     "Ctrl-C or Ctrl-D at the prompt ends the chat"
@@ -77,6 +82,8 @@ class ChatSession:
         max_new_tokens: tokens reserved for each answer.
         chat_template: the template override used in training, if any.
         system: a system prompt.
+        processor: a vision-language model's processor (its template, and images), if any.
+        images: images shown with the first message.
     """
 
     def __init__(
@@ -87,32 +94,46 @@ class ChatSession:
         max_new_tokens: int = 256,
         chat_template: str | None = None,
         system: str | None = None,
+        processor: Any = None,
+        images: list[Any] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.max_new_tokens = max_new_tokens
+        self.processor = processor
+        if processor is not None:
+            chat_template = chat_template or getattr(processor, "chat_template", None)
         self.chat_template = resolve_chat_template(tokenizer, chat_template)
         self.system = system
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict[str, Any]] = []
+        self.pending_images: list[Any] = list(images or [])
+        if self.pending_images and processor is None:
+            raise ValueError("images need a vision-language model's processor")
 
-    def prompt_tokens(self, messages: list[dict[str, str]]) -> int:
-        """Tokens of ``messages`` rendered with the generation prompt."""
-        ids = self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, add_generation_prompt=True, tokenize=True
-        )
-        return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)  # BatchEncoding in transformers 5
+    def prompt_tokens(self, messages: list[dict[str, Any]]) -> int:
+        """Tokens of ``messages`` rendered with the generation prompt (each image as many as the
+        processor expands it to)."""
+        inputs = prompt_inputs(self.tokenizer, messages, self.chat_template, self.processor)
+        return int(inputs["input_ids"].shape[1])
 
-    def messages(self, user: str) -> list[dict[str, str]]:
+    def user_message(self, user: str) -> dict[str, Any]:
+        """``user`` as a message, with the images waiting to be shown before its text."""
+        if not self.pending_images:
+            return {"role": "user", "content": user}
+        parts = [{"type": "image", "image": image} for image in self.pending_images]
+        return {"role": "user", "content": [*parts, {"type": "text", "text": user}]}
+
+    def messages(self, user: str) -> list[dict[str, Any]]:
         """The conversation to answer ``user`` with: the system prompt, as many of the latest
-        exchanges as fit, and ``user``.
+        exchanges as fit, and ``user`` (with the images waiting to be shown).
 
         Raises:
             ValueError: when ``user`` alone (with the system prompt) leaves no room for an answer.
         """
         system = [{"role": "system", "content": self.system}] if self.system else []
         budget = self.context_length - self.max_new_tokens
-        current = [{"role": "user", "content": user}]
+        current = [self.user_message(user)]
         for start in range(0, len(self.history) + 1, 2):  # drop whole exchanges, oldest first
             messages = system + self.history[start:] + current
             if self.prompt_tokens(messages) <= budget:
@@ -123,13 +144,15 @@ class ChatSession:
         )
 
     def reply(self, user: str, streamer: Any = None, temperature: float = 0.0) -> str:
-        """Answer ``user`` and remember the exchange.
+        """Answer ``user`` and remember the exchange (the images waiting are shown with it, and are
+        then part of it).
 
         Raises:
             AnswerStopped: on Ctrl-C (KeyboardInterrupt) during generation, after remembering the
                 exchange with the answer's part so far, or forgetting it when there is no part yet.
         """
         messages = self.messages(user)
+        asked, self.pending_images = messages[-1], []
         tokens = _AnswerTokens(streamer)
         try:
             answer = generate(
@@ -140,15 +163,29 @@ class ChatSession:
                 temperature=temperature,
                 chat_template=self.chat_template,
                 streamer=tokens,
+                processor=self.processor,
             )
         except KeyboardInterrupt:
             tokens.end()  # the streamer shows what it held back, and is ready for the next answer
             partial = self.tokenizer.decode(tokens.ids, skip_special_tokens=True)
             if partial:
-                self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": partial}]
+                self.history += [asked, {"role": "assistant", "content": partial}]
             raise AnswerStopped(partial) from None
-        self.history += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        self.history += [asked, {"role": "assistant", "content": answer}]
         return answer
+
+    def show_image(self, path: str) -> int:
+        """Open the image at ``path`` to show with the next message; the number now waiting.
+
+        Raises:
+            ValueError: the model takes no images, or the file is missing or not an image.
+        """
+        if not path:
+            raise ValueError("usage: /image PATH")
+        if self.processor is None:
+            raise ValueError("this model takes no images (its folder has no image processor)")
+        self.pending_images += open_images([path], "/image")  # a ConfigError naming /image and the file
+        return len(self.pending_images)
 
 
 def terminal_reader() -> Reader:
@@ -216,11 +253,18 @@ def _converse(session: ChatSession, read: Reader, out: TextIO, streamer: Any) ->
 def _answer_or_obey(session: ChatSession, line: str, out: TextIO, streamer: Any) -> None:
     """Carry out a command, or answer a message (written whole when there is no ``streamer``)."""
     if line == "/reset":
-        session.history = []
+        session.history, session.pending_images = [], []
         out.write("(conversation cleared)\n")
+    elif line.startswith("/image"):
+        try:
+            waiting = session.show_image(line.removeprefix("/image").strip())
+        except ValueError as error:
+            out.write(f"({error})\n")
+            return
+        out.write(f"({waiting} image{'s' if waiting > 1 else ''} will be shown with your next message)\n")
     elif line.startswith("/system"):
         session.system = line.removeprefix("/system").strip() or None
-        session.history = []
+        session.history, session.pending_images = [], []
         out.write(f"(system prompt {'set' if session.system else 'removed'}; conversation cleared)\n")
     elif line.startswith("/"):
         out.write(f"(unknown command {line.split()[0]}; {HELP})\n")
