@@ -2,8 +2,8 @@
 
     python tests/ddp_fit.py '{"model": ..., "data": ..., "out": ..., "max_steps": 3, ...}'
 
-Optional: ``strategy`` (default ``ddp``), ``quantization``, ``low_memory_load``, ``streaming``,
-``on_bad_record`` (rejects go to ``<out>/rejects.jsonl``),
+Optional: ``strategy`` (default ``ddp``), ``lora_vision``, ``gradient_clip_val``, ``quantization``,
+``low_memory_load``, ``streaming``, ``on_bad_record`` (rejects go to ``<out>/rejects.jsonl``),
 ``ckpt_every`` (a ModelCheckpoint every N steps into ``out``), ``stop_after`` (end the fit after N
 steps, as if killed: the schedule still spans ``max_steps``), ``ckpt_path``.
 
@@ -92,7 +92,7 @@ def main(args: dict) -> None:
     L.seed_everything(0)
     module = FaultyModule(
         model=args["model"],
-        lora=LoRAConfig(r=4, alpha=8),
+        lora=LoRAConfig(r=4, alpha=8, vision=args.get("lora_vision", "none")),
         learning_rate=1e-2,
         warmup_steps=0,
         nan_loss_at=tuple(args.get("nan_loss_at", ())),
@@ -127,6 +127,7 @@ def main(args: dict) -> None:
         strategy=LoRAFSDPStrategy(hybrid=True) if args.get("hybrid") else args.get("strategy", "ddp"),
         max_steps=args["max_steps"],
         accumulate_grad_batches=args.get("accumulate_grad_batches", 1),
+        gradient_clip_val=args.get("gradient_clip_val"),
         limit_val_batches=1 if preview else 0,
         val_check_interval=2 if preview else None,
         logger=False,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from lit_instruct.data.collate import PackCollator
@@ -660,12 +661,18 @@ def test_sample_scores_leave_out_held_out_samples_with_images(tokenizer) -> None
 
 
 @pytest.mark.slow
-def test_two_ddp_ranks_with_images_train_as_one_process(llava: Path, data_file: Path, tmp_path: Path) -> None:
-    """5 conversations (images in 4, two in one of them) on 2 ranks of batch 1: 3 steps equal one
-    process of batch 2, the third step's repeat (images and all) counting no token. The losses are
-    equal; the weights to 1% of one step (lr 1e-2): Adam divides each gradient component by its own
-    size, so a component near zero, summed in another order over ranks, moves its weight by more
-    than its rounding (2.4e-5 measured here; a wrong image or mask moves whole steps)."""
+@pytest.mark.parametrize("strategy", ["ddp_lora", "fsdp_lora"])
+def test_two_ranks_with_images_train_as_one_process(
+    strategy: str, llava: Path, data_file: Path, tmp_path: Path
+) -> None:
+    """5 conversations (images in 4, two in one of them) on 2 ranks of batch 1, the vision tower and
+    projector adapted too, gradients clipped: 3 steps equal one process of batch 2, a rank whose
+    sample has no image included (its vision adapters unused there: DDP must look for unused
+    weights; FSDP keeps the vision tower whole and averages its gradients), and the third step's
+    repeat (images and all) counting no token. The losses are equal; the weights to 1% of one step
+    (lr 1e-2): Adam divides each gradient component by its own size, so a component near zero,
+    summed in another order over ranks, moves its weight by more than its rounding (2.4e-5 measured
+    here; a wrong image or mask moves whole steps)."""
     from tests.ddp_fit import run_ddp_fit
     from tests.helpers import Recorder, make, trainer
 
@@ -677,19 +684,32 @@ def test_two_ddp_ranks_with_images_train_as_one_process(llava: Path, data_file: 
     }
     five = write_jsonl(data_file.parent / "five.jsonl", [*ROWS, blue])
     args = {"model": str(llava), "data": str(five), "out": str(tmp_path / "two"), "batch_size": 1}
-    ranks = run_ddp_fit({**args, "max_steps": 3, "strategy": "ddp_lora"})
-    module, _ = make(llava, five)
+    clip = {"gradient_clip_val": 0.05}
+    ranks = run_ddp_fit({**args, "max_steps": 3, "strategy": strategy, "lora_vision": "all", **clip})
+    module, _ = make(llava, five, lora=LoRAConfig(r=4, alpha=8, vision="all"))
     data = InstructDataModule(tokenizer=str(llava), train_files=[str(five)], batch_size=2)  # as ddp_fit's
     recorder = Recorder()
-    run = trainer(tmp_path / "one", max_steps=3, limit_val_batches=0, callbacks=[recorder])
+    run = trainer(tmp_path / "one", max_steps=3, limit_val_batches=0, callbacks=[recorder], **clip)
     run.fit(module, datamodule=data)
     assert len(data.train_samples) == 5
+    image_token = module.base_model.config.image_token_id
+    shows = [[image_token in ids for _, ids in rank["samples"]] for rank in ranks]
+    steps = {tuple(step) for step in zip(*shows, strict=False)}  # the last step's repeat counts nothing
+    assert {(False, True), (True, False)} & steps  # a step on which one rank's tower is unused
+    vision = [name for name in module.trainable_state_dict() if "vision_tower" in name]
+    assert vision  # the tower's adapters are among the weights compared
     for rank in ranks:
         torch.testing.assert_close(
             torch.tensor(rank["losses"]), torch.tensor(recorder.losses), rtol=1e-6, atol=0
         )
-        for name, value in module.trainable_state_dict().items():
-            torch.testing.assert_close(rank["weights_per_step"][-1][name], value, atol=1e-4, rtol=0, msg=name)
+    saved = torch.load(tmp_path / "two" / "last.ckpt", weights_only=True)["state_dict"]  # whole, rank 0
+    adapter = load_file(tmp_path / "two" / "adapter" / "adapter_model.safetensors")
+    single = module.trainable_state_dict()
+    assert saved.keys() == single.keys() and len(adapter) == len(single)
+    for name, value in single.items():
+        torch.testing.assert_close(saved[name], value, atol=1e-4, rtol=0, msg=name)
+        peft_name = name.removeprefix("model.").replace(".default.", ".")
+        torch.testing.assert_close(adapter[peft_name], value, atol=1e-4, rtol=0, msg=name)
 
 
 def test_a_missing_image_is_one_line_and_exit_2_before_any_weight(

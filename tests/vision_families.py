@@ -131,6 +131,31 @@ def images_only(cls: Any) -> Any:
     return type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda _: list(kept))})
 
 
+def _mistral3(smollm2: Path) -> tuple[Any, Any]:
+    """Mistral 3: Pixtral's vision tower (2-D RoPE over patches of any image size), patches merged 2x2,
+    each image as rows of ``[IMG]`` ended by ``[IMG_BREAK]``, the last by ``[IMG_END]``."""
+    import transformers as t
+
+    from lit_instruct.data.processor import processor_class
+
+    tok = _tokenizer(smollm2, ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    processor = processor_class("PixtralProcessor")(  # its module read without torchvision
+        image_processor=t.PixtralImageProcessorPil(size={"longest_edge": 28}, patch_size=14),
+        tokenizer=tok,
+        chat_template=chatml_with_images("[IMG]"),
+        patch_size=7,
+        spatial_merge_size=2,
+    )
+    vision = {**VISION, "head_dim": 16, "image_size": 28, "patch_size": 7}
+    config = t.Mistral3Config(
+        vision_config={"model_type": "pixtral", **vision},
+        text_config={"model_type": "mistral", "vocab_size": len(tok), **TEXT},
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+    )
+    return processor, t.Mistral3ForConditionalGeneration(config)
+
+
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -214,9 +239,11 @@ VISION_FAMILIES: dict[str, Callable[[Path], tuple[Any, Any]]] = {
     "qwen2_vl": _qwen_vl("2"),
     "qwen2_5_vl": _qwen_vl("2.5"),
     "qwen3_vl": _qwen_vl("3"),
+    "mistral3": _mistral3,
 }
-"""Every family whose processor ``transformers`` builds here (Mistral 3's Pixtral processor and
-Llama 4's image processor need torchvision whole; Qwen-VL's and SmolVLM's only for videos, left out)."""
+"""Every family whose processor ``transformers`` builds here (Llama 4's image processor needs
+torchvision, which does not install beside this torch; Qwen-VL's and SmolVLM's processors only for
+videos, left out; Pixtral's processor module only for a helper its PIL module also has)."""
 DECODER_FAMILY = {
     "llava": "llama",
     "idefics3": "llama",
@@ -225,6 +252,7 @@ DECODER_FAMILY = {
     "qwen2_5_vl": "qwen2",
     "qwen3_vl": "qwen3",
     "gemma3": "gemma3",
+    "mistral3": "mistral",
 }
 """The text family (of ``tests/families.py``) of each vision-language family's decoder: the support
 matrix's multimodal column."""
@@ -239,6 +267,7 @@ LABELS = {
     "qwen2_vl": "Qwen2-VL (M-RoPE)",
     "qwen2_5_vl": "Qwen2.5-VL (windowed vision attention)",
     "qwen3_vl": "Qwen3-VL (interleaved M-RoPE, deepstack)",
+    "mistral3": "Mistral 3 (Pixtral: 2-D RoPE, image rows and breaks)",
 }
 
 

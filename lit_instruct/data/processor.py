@@ -5,11 +5,14 @@ in the model's folder beside the tokenizer.
 torchvision, for their video processor, even where the images need none (their image processors
 have a PIL backend). Without torchvision such a processor is built for images only: the same class
 with its video processor left out, so images are processed exactly as the class processes them and
-a video is never read.
+a video is never read. Pixtral's processor (Mistral 3) imports a helper from its torchvision image
+processor module: it is read with the PIL image processor's module, which has the same helper.
+Llama 4's image processor has no PIL backend: it needs torchvision.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -63,15 +66,48 @@ def _processor_class_name(folder: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def images_only(folder: Path) -> Any:
-    """The processor of the model in ``folder`` without its video processor (``None`` when its class
-    takes none, or cannot be found)."""
-    from transformers.models.auto.processing_auto import processor_class_from_name
+def processor_class(name: str) -> Any:
+    """The ``transformers`` processor class ``name``; where its module imports a helper from the
+    family's torchvision image processor module (Pixtral's, for Mistral 3) and torchvision is not
+    installed, that module is read with the family's PIL image processor module standing for it (the
+    same helpers, its PIL backend). ``None`` when there is no such class, or it cannot be read here."""
+    import sys
 
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+
+    cls = processor_class_from_name(name)
+    if cls is not None and not getattr(cls, "is_dummy", False):
+        return cls
+    model_type = next((key for key, value in PROCESSOR_MAPPING_NAMES.items() if value == name), None)
+    if model_type is None or importlib.util.find_spec("torchvision") is not None:
+        return cls
+    family = f"transformers.models.{model_type}"
+    with contextlib.suppress(ImportError):
+        pil = importlib.import_module(f"{family}.image_processing_pil_{model_type}")
+        standing = f"{family}.image_processing_{model_type}"
+        saved = sys.modules.get(standing)
+        sys.modules[standing] = pil
+        try:
+            module = importlib.import_module(f"{family}.processing_{model_type}")
+        finally:
+            if saved is None:
+                sys.modules.pop(standing, None)
+            else:
+                sys.modules[standing] = saved
+        return getattr(module, name, None)
+    return None
+
+
+def images_only(folder: Path) -> Any:
+    """The processor of the model in ``folder`` built without torchvision: without its video processor
+    (Qwen-VL, SmolVLM), or read with its PIL image processor's helpers (:func:`processor_class`);
+    ``None`` when neither applies."""
     name = _processor_class_name(folder)
-    cls = processor_class_from_name(name) if name else None
-    if cls is None or "video_processor" not in cls.get_attributes():
+    cls = processor_class(name) if name else None
+    if cls is None:
         return None
+    if "video_processor" not in cls.get_attributes():
+        return cls.from_pretrained(folder)
     kept = [attribute for attribute in cls.get_attributes() if attribute != "video_processor"]
 
     members = {"get_attributes": classmethod(lambda _: list(kept))}
@@ -107,8 +143,8 @@ def image_processor_of(model: str, tokenizer: Any) -> Any:
                 "transformers needs torchvision for some processors: pip install torchvision"
             ) from error
         rank_zero_info(
-            f"lit-instruct: {type(processor).__name__} built for images only (its video processor needs "
-            "torchvision, which is not installed)"
+            f"lit-instruct: {type(processor).__name__} built without torchvision (not installed): for "
+            "images only, through its image processor's PIL backend"
         )
     if getattr(processor, "image_processor", None) is None:
         return None

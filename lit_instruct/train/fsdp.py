@@ -7,6 +7,13 @@ their layer and stay trainable; their gradients are reduce-scattered (averaged o
 averages them). A 4-bit (NF4) base shards the same way when bitsandbytes packs it in the compute
 dtype (``bnb_4bit_quant_storage``, which :func:`lit_instruct.models.load.load_base_model` sets).
 
+A vision-language model's multimodal core (which the trunk calls for every batch, and which embeds
+the text before its decoder runs) takes the decoder stack's place, but its vision tower and
+projector are not sharded: the core calls them only for
+batches with images, and a sharded part must be called on every rank at once (its weights are
+gathered by a collective). Each rank keeps them whole, as DDP does, and their trainable weights'
+gradients are averaged over ranks before the optimizer step (:func:`average_replicated_gradients`).
+
 The lm_head is not part of the trunk's forward: the fused loss reads its weight directly. Read through
 :func:`full_tensor`, a sharded weight is gathered for the loss only (its shard stays the stored copy);
 the loss refuses a sharded weight outright (:func:`refuse_sharded`), so it can never compute on a
@@ -22,7 +29,7 @@ from typing import Any
 import torch
 
 from lit_instruct.distributed import full_tensor, is_sharded
-from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.decoder import decoder_of, parts_outside_decoder
 
 HYBRID_DIMS = ("replicate", "shard")
 """The dimensions of a hybrid-sharding mesh (FSDP2 replicates over the first, shards over the second)."""
@@ -38,11 +45,12 @@ def sharding_mesh(mesh: Any) -> Any:
 
 
 def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> None:
-    """``fully_shard`` each decoder layer of ``base``, then its decoder stack, then its lm_head.
+    """``fully_shard`` each decoder layer of ``base``, then its decoder stack (then a vision-language
+    model's multimodal core, its vision tower and projector left whole), then its lm_head.
 
-    In training the lm_head's forward never runs (the loss reads its weight, whole through
-    :func:`full_tensor`); sampling runs it (its own group gathers it; a head tied to the input
-    embeddings, tied again to the embedding's shard, is gathered by :func:`whole_tied_head`).
+        In training the lm_head's forward never runs (the loss reads its weight, whole through
+        :func:`full_tensor`); sampling runs it (its own group gathers it; a head tied to the input
+        embeddings, tied again to the embedding's shard, is gathered by :func:`whole_tied_head`).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -51,7 +59,13 @@ def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> Non
     tied = head is not None and head.weight is decoder.get_input_embeddings().weight
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    outside = [base.get_submodule(name) for name in parts_outside_decoder(base)]
+    if outside:  # the multimodal core (the trunk's call; it embeds the text before the decoder runs)
+        kept = {p for part in outside for p in part.parameters()}  # left whole on every rank
+        core, again = base.base_model, reshard_after_forward
+        fully_shard(core, mesh=mesh, reshard_after_forward=again, ignored_params=kept)
+    else:
+        fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward)
     if tied:
         head.weight = decoder.get_input_embeddings().weight
     elif head is not None:
@@ -77,6 +91,30 @@ def whole_tied_head(base: Any) -> Iterator[None]:
         yield
     finally:
         head.weight = shard
+
+
+def average_replicated_gradients(parameters: list[torch.nn.Parameter], world_size: int) -> None:
+    """Average the gradients of trainable weights FSDP does not shard over all ranks (a collective:
+    every rank calls it with the same weights). A weight without a gradient on one rank (its part not
+    called there: no image in its batch) counts as zero there; one without a gradient on every rank
+    keeps none, as on one process."""
+    import torch.distributed as dist
+
+    if not parameters:
+        return
+    device = parameters[0].device
+    had = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32, device=device)
+    dist.all_reduce(had, op=dist.ReduceOp.MAX)
+    used = [p for p, flag in zip(parameters, had.tolist(), strict=True) if flag]
+    for p in used:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if used:
+        flat = torch.cat([p.grad.reshape(-1) for p in used])  # type: ignore[union-attr]
+        dist.all_reduce(flat)
+        flat /= world_size
+        for p, part in zip(used, flat.split([p.numel() for p in used]), strict=True):
+            p.grad.copy_(part.view_as(p))  # type: ignore[union-attr]
 
 
 def gathered_trainable_state(module: torch.nn.Module) -> dict[str, Any]:

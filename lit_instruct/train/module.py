@@ -18,7 +18,7 @@ from torch import nn
 
 from lit_instruct.adapter_folder import save_adapter
 from lit_instruct.batch import num_tokens, prompt_rows
-from lit_instruct.distributed import full_tensor, launched_rank
+from lit_instruct.distributed import full_tensor, is_sharded, launched_rank
 from lit_instruct.errors import ConfigError
 from lit_instruct.io import check_replaceable, log_dir
 from lit_instruct.loss.contract import LossFn
@@ -31,7 +31,7 @@ from lit_instruct.models.build import (
     build_trainable_model,
     finish_eva,
 )
-from lit_instruct.models.decoder import decoder_of
+from lit_instruct.models.decoder import decoder_of, parts_outside_decoder
 from lit_instruct.models.eva_init import EvaResult
 from lit_instruct.models.generation import generate
 from lit_instruct.models.load import AttnImplementation, DType, QuantizationConfig
@@ -43,6 +43,7 @@ from lit_instruct.precision import AUTO, auto_precision, is_bf16
 from lit_instruct.rng import gather_states
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import (
+    average_replicated_gradients,
     fill_from_rank_zero,
     gathered_trainable_state,
     shard_model,
@@ -114,6 +115,13 @@ def adamw(
     """AdamW over all adapter tensors at once (``foreach``): PyTorch's default loops over the
     tensors one by one (hundreds of adapter tensors; measured in docs/benchmarks.md)."""
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, foreach=True)
+
+
+def placement_parts(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` as the sharded ones and the whole ones (each list only where not empty), in order."""
+    sharded = [p for p in params if is_sharded(p)]
+    whole = [p for p in params if not is_sharded(p)]
+    return [part for part in (sharded, whole) if part]
 
 
 class InstructLoRAModule(L.LightningModule):
@@ -317,6 +325,7 @@ class InstructLoRAModule(L.LightningModule):
             )
         if stage == "fit":
             self._check_adapter_folder()
+            self._find_unused_under_ddp()
         if self.dtype_chosen:
             self._match_trainer_precision()
         if self.eva_pending and stage == "fit":
@@ -392,6 +401,38 @@ class InstructLoRAModule(L.LightningModule):
             self.fused_layers = stage.fused_layers
         self.eva_pending = False
 
+    @functools.cached_property
+    def multimodal(self) -> bool:
+        """Whether the base is a vision-language model (parts outside its decoder)."""
+        return bool(parts_outside_decoder(self.base_model))
+
+    def trainable_outside_decoder(self) -> list[nn.Parameter]:
+        """Trainable weights of a vision-language model's vision tower and projector
+        (``model.lora.vision``), which only batches with images reach."""
+        parts = parts_outside_decoder(self.base_model)
+        modules = [self.base_model.get_submodule(name) for name in parts]
+        return [p for module in modules for p in module.parameters() if p.requires_grad]
+
+    def _find_unused_under_ddp(self) -> None:
+        """Under DDP, weights only batches with images reach are unused on a rank whose batch has
+        none: DDP must look for unused weights each step, or it waits for their gradients forever.
+
+        Raises:
+            ConfigError: a DDP strategy set not to look (``find_unused_parameters: false``).
+        """
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = self.trainer.strategy
+        if not isinstance(strategy, DDPStrategy) or not self.trainable_outside_decoder():
+            return
+        settings = strategy._ddp_kwargs  # Lightning's DDP settings, read when it wraps the model after setup
+        if settings.setdefault("find_unused_parameters", True) is not True:
+            raise ConfigError(
+                "trainer.strategy",
+                "DDP with find_unused_parameters false cannot train model.lora.vision: the vision "
+                "adapters get no gradient on a rank whose batch has no image (set it true, or use ddp_lora)",
+            )
+
     def configure_model(self) -> None:
         """Under a strategy with a device mesh (``fsdp_lora``, Lightning's ``ModelParallelStrategy``):
         shard the base per decoder layer, at the trunk and at the lm_head with FSDP2
@@ -404,6 +445,12 @@ class InstructLoRAModule(L.LightningModule):
             return
         if self._sharded:
             return
+        if self.multimodal and self.packing:  # packed batches run the decoder alone, outside the core
+            raise ConfigError(
+                "model.packing",
+                "true cannot be sharded with a vision-language model under trainer.strategy: fsdp_lora "
+                "(set data.packing: false, or use ddp_lora)",
+            )
         low_memory = bool(self.hparams.get("low_memory_load"))
         full = dict(self.model.state_dict()) if low_memory and self.global_rank == 0 else None  # whole
         shard_model(self.base_model, sharding_mesh(mesh))
@@ -481,12 +528,11 @@ class InstructLoRAModule(L.LightningModule):
         if self.router_aux_loss is not None:
             extra["output_router_logits"] = True
         mask = batch.get("attention_mask")
-        if batch.get("images") is not None:  # the vision tower, the projector, then the decoder
-            if "packed_segments" in batch:
-                raise ValueError(
-                    "a packed batch cannot carry images (their attention is not split per sample)"
-                )
-            decoder, extra = self.base_model.base_model, {**extra, **batch["images"]}
+        if batch.get("images") is not None and "packed_segments" in batch:
+            raise ValueError("a packed batch cannot carry images (their attention is not split per sample)")
+        if self.multimodal and "packed_segments" not in batch:  # the model's own path, with or without
+            decoder = self.base_model.base_model  # images: one FSDP root, on every rank at every step
+            extra = {**extra, **(batch.get("images") or {})}
         out = decoder(input_ids=batch["input_ids"], attention_mask=mask, use_cache=False, **extra)
         aux = None
         if self.router_aux_loss is not None:
@@ -559,8 +605,11 @@ class InstructLoRAModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the step's gradient that of sum(loss) / count over the whole window, all ranks, before
         any clipping (:mod:`lit_instruct.train.window`); log the window's loss, count and metrics."""
-        totals = self.window.close(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"), self.device)
         trainer = self.trainer
+        if self._sharded:  # the vision tower and projector: whole on every rank, outside FSDP
+            replicated = [p for p in self.parameters() if p.requires_grad and not is_sharded(p)]
+            average_replicated_gradients(replicated, trainer.world_size)
+        totals = self.window.close(lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"), self.device)
         factor = gradient_factor(totals.count, trainer.accumulate_grad_batches, trainer.world_size)
         scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
         self.tokens_seen += totals.tokens
@@ -616,16 +665,53 @@ class InstructLoRAModule(L.LightningModule):
         ``loraplus_lr_ratio`` times the learning rate), on the warmup-cosine schedule."""
         hparams, ratio = self.hparams, self.lora_config.loraplus_lr_ratio
         groups = loraplus_groups(self.model) if ratio is not None else [{"params": self.adapter_parameters()}]
+        origins = list(range(len(groups)))
+        if self._sharded:  # weights FSDP leaves whole (a vision tower's) in groups of their own: an
+            split = [  # optimizer's foreach kernels take sharded or whole tensors, not both at once
+                (origin, {**group, "params": part})
+                for origin, group in enumerate(groups)
+                for part in placement_parts(group["params"])
+            ]
+            origins, groups = [origin for origin, _ in split], [group for _, group in split]
         if self.optimizer_factory is not None:  # its own learning rate is the peak of the schedule
             optimizer = self.optimizer_factory(groups)
         else:
             optimizer = adamw(groups, hparams["learning_rate"], hparams["betas"], hparams["weight_decay"])
-        if ratio is not None:
-            optimizer.param_groups[1]["lr"] = optimizer.param_groups[0]["lr"] * ratio
+        if ratio is not None:  # LoRA+: the B matrices' group(s)
+            for group, origin in zip(optimizer.param_groups, origins, strict=True):
+                if origin == 1:
+                    group["lr"] = optimizer.param_groups[0]["lr"] * ratio
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = warmup_cosine(hparams["warmup_steps"], total, hparams["min_lr_ratio"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, over sharded and whole weights at once under FSDP with a vision
+        tower kept whole (torch's clipping takes one kind at a time): the norm is that of all the
+        gradients together, as on one process."""
+        grads = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        parts = placement_parts(grads)
+        if not gradient_clip_val or len(parts) < 2:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            return
+        if gradient_clip_algorithm == "value":
+            for part in parts:
+                torch.nn.utils.clip_grad_value_(part, gradient_clip_val)
+            return
+        norms = []
+        for part in parts:
+            norm = full_tensor(torch.nn.utils.get_total_norm([p.grad for p in part if p.grad is not None]))
+            assert norm is not None
+            norms.append(norm.to(torch.float32))
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        for part in parts:
+            torch.nn.utils.clip_grads_with_norm_(part, gradient_clip_val, total)
 
     def adapter_parameters(self) -> list[nn.Parameter]:
         """The trained weights, in module order."""
