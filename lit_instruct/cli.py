@@ -674,7 +674,13 @@ def image_processor(args: argparse.Namespace, required: bool) -> Any:
     from lit_instruct.vocabulary import adapter_tokenizer
 
     base = args.model or (adapter_base(args.adapter) if args.adapter else "smollm2-135m-instruct")
-    processor = processor_for(args.model, args.adapter, adapter_tokenizer(args.adapter, base))
+    try:
+        processor = processor_for(args.model, args.adapter, adapter_tokenizer(args.adapter, base))
+    except ValueError as error:  # a processor transformers cannot build here (a package missing)
+        if required:
+            raise ConfigError("--image", str(error)) from None
+        say(f"images cannot be shown to this model: {error}")
+        return None
     if processor is None and required:
         raise ConfigError("--image", f"{base} takes no images (its folder has no image processor)")
     return processor

@@ -141,20 +141,33 @@ class _Cursor:
         return self.take(SCALARS[kind])[0].item()
 
 
-def contents(path: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], str, np.ndarray]]]:
+Tensors = dict[str, tuple[tuple[int, ...], str, np.ndarray]]
+
+
+def contents(path: Path) -> tuple[dict[str, Any], Tensors]:
     """A GGUF file's metadata (key -> value) and tensors (name -> shape as stored, type name, data in
     numpy's order: typed for float types, raw bytes per row for quantized ones), as ``gguf.GGUFReader``
     reads them (checked against it by ``tests/test_gguf_reference.py``) without its per-token objects."""
+    metadata, _, tensors = _parse(path)
+    return metadata, tensors
+
+
+def _parse(path: Path) -> tuple[dict[str, Any], dict[str, tuple[int, int | None]], Tensors]:
+    """:func:`contents`, with each key's value type (and an array's item type); a repeated key or
+    tensor name (which llama.cpp refuses) fails."""
     import gguf
 
     cursor = _Cursor(Path(path).read_bytes())
     cursor.at = 4
     assert cursor.data[:4] == b"GGUF" and cursor.number("<u4") in (2, 3), f"{path}: not a GGUF file"
     tensor_count, key_count = cursor.number(), cursor.number()
-    metadata = {}
+    metadata, kinds = {}, {}
     for _ in range(key_count):
         key = cursor.string()
-        metadata[key] = cursor.value(cursor.number("<u4"))
+        assert key not in metadata, f"{path}: key {key} twice"
+        kind = cursor.number("<u4")
+        item = int(np.frombuffer(cursor.data, "<u4", 1, cursor.at)[0]) if kind == 9 else None
+        metadata[key], kinds[key] = cursor.value(kind), (kind, item)
     infos = []
     for _ in range(tensor_count):
         name = cursor.string()
@@ -171,19 +184,23 @@ def contents(path: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...
         typed = {"F32": np.float32, "F16": np.float16, "F64": np.float64}.get(kind.name)
         row = (dims[0],) if typed else (dims[0] // block * size,)
         data = (raw.view(typed) if typed else raw).reshape(*rows, *row)
+        assert name not in tensors, f"{path}: tensor {name} twice"
         tensors[name] = (dims, kind.name, data)
-    return metadata, tensors
+    return metadata, kinds, tensors
 
 
 def differences(ours: Path, theirs: Path, allowed: set[str] = frozenset({"general.name"})) -> list[str]:
-    """Every metadata key, tensor name, shape, type and byte where the two files differ (``allowed``
-    keys apart)."""
-    (our_meta, our_tensors), (their_meta, their_tensors) = contents(ours), contents(theirs)
+    """Every metadata key, value type, tensor name, shape, type and byte where the two files differ
+    (``allowed`` keys apart)."""
+    our_meta, our_kinds, our_tensors = _parse(ours)
+    their_meta, their_kinds, their_tensors = _parse(theirs)
     found = []
     for key in sorted((set(our_meta) | set(their_meta)) - allowed):
         a, b = our_meta.get(key, "<missing>"), their_meta.get(key, "<missing>")
         if a != b:
             found.append(f"metadata {key}: ours {str(a)[:120]} vs llama.cpp {str(b)[:120]}")
+        elif our_kinds[key] != their_kinds[key]:  # 1 == 1.0 == True: the value types must agree too
+            found.append(f"metadata {key}: ours of type {our_kinds[key]} vs llama.cpp {their_kinds[key]}")
     for name in sorted(set(our_tensors) | set(their_tensors)):
         if name not in our_tensors or name not in their_tensors:
             found.append(f"tensor {name}: only in {'ours' if name in our_tensors else 'llama.cpp'}")

@@ -543,6 +543,16 @@ def test_chat_leaves_out_the_oldest_exchange_with_its_image(llava: Path, data_fi
     kept = session.messages("Which?")
     assert kept == whole[2:] and image_parts(kept) == [blue]
 
+    import io
+
+    from lit_instruct.infer.chat import run_chat, scripted_reader
+
+    session.show_image(str(data_file.parent / "images" / "red.png"))
+    session.context_length = 8  # the waiting image alone does not fit: said, and dropped
+    out = io.StringIO()
+    run_chat(session, scripted_reader(["Which?\n"], out), out)
+    assert "the waiting image is dropped)" in out.getvalue() and session.pending_images == []
+
 
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl"])
 def test_qlora_keeps_the_vision_tower_in_full_precision_and_its_loss_is_the_models_own(
@@ -702,7 +712,9 @@ def test_two_ranks_with_images_train_as_one_process(
         torch.testing.assert_close(
             torch.tensor(rank["losses"]), torch.tensor(recorder.losses), rtol=1e-6, atol=0
         )
-    saved = torch.load(tmp_path / "two" / "last.ckpt", weights_only=True)["state_dict"]  # whole, rank 0
+    checkpoint = torch.load(tmp_path / "two" / "last.ckpt", weights_only=True)
+    saved = checkpoint["state_dict"]  # whole, on rank 0
+    assert len(checkpoint["optimizer_states"][0]["param_groups"]) == 1  # as one process's: it resumes there
     adapter = load_file(tmp_path / "two" / "adapter" / "adapter_model.safetensors")
     single = module.trainable_state_dict()
     assert saved.keys() == single.keys() and len(adapter) == len(single)
@@ -710,6 +722,11 @@ def test_two_ranks_with_images_train_as_one_process(
         torch.testing.assert_close(saved[name], value, atol=1e-4, rtol=0, msg=name)
         peft_name = name.removeprefix("model.").replace(".default.", ".")
         torch.testing.assert_close(adapter[peft_name], value, atol=1e-4, rtol=0, msg=name)
+    resumed, _ = make(llava, five, lora=LoRAConfig(r=4, alpha=8, vision="all"))
+    again = trainer(tmp_path / "resumed", max_steps=4, limit_val_batches=0, **clip)
+    data = InstructDataModule(tokenizer=str(llava), train_files=[str(five)], batch_size=2)
+    again.fit(resumed, datamodule=data, ckpt_path=tmp_path / "two" / "last.ckpt")
+    assert again.global_step == 4
 
 
 def test_a_missing_image_is_one_line_and_exit_2_before_any_weight(

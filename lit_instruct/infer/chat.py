@@ -255,7 +255,7 @@ def _answer_or_obey(session: ChatSession, line: str, out: TextIO, streamer: Any)
     if line == "/reset":
         session.history, session.pending_images = [], []
         out.write("(conversation cleared)\n")
-    elif line.startswith("/image"):
+    elif line == "/image" or line.startswith("/image "):
         try:
             waiting = session.show_image(line.removeprefix("/image").strip())
         except ValueError as error:
@@ -272,7 +272,9 @@ def _answer_or_obey(session: ChatSession, line: str, out: TextIO, streamer: Any)
         try:
             answer = session.reply(line, streamer=streamer)
         except ValueError as error:
-            out.write(f"({error})\n")
+            waiting, session.pending_images = len(session.pending_images), []
+            dropped = f"; the waiting image{'s are' if waiting > 1 else ' is'} dropped" if waiting else ""
+            out.write(f"({error}{dropped})\n")
             return
         if streamer is None:
             out.write(answer + "\n")

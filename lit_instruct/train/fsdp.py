@@ -62,8 +62,8 @@ def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> Non
     outside = [base.get_submodule(name) for name in parts_outside_decoder(base)]
     if outside:  # the multimodal core (the trunk's call; it embeds the text before the decoder runs)
         kept = {p for part in outside for p in part.parameters()}  # left whole on every rank
-        core, again = base.base_model, reshard_after_forward
-        fully_shard(core, mesh=mesh, reshard_after_forward=again, ignored_params=kept)
+        core, reshard = base.base_model, reshard_after_forward
+        fully_shard(core, mesh=mesh, reshard_after_forward=reshard, ignored_params=kept)
     else:
         fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward)
     if tied:
@@ -91,6 +91,15 @@ def whole_tied_head(base: Any) -> Iterator[None]:
         yield
     finally:
         head.weight = shard
+
+
+def broadcast_whole(parameters: list[torch.nn.Parameter]) -> None:
+    """Give every rank rank 0's values of ``parameters`` (whole tensors; a collective)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for p in parameters:
+            dist.broadcast(p.data, src=0)
 
 
 def average_replicated_gradients(parameters: list[torch.nn.Parameter], world_size: int) -> None:

@@ -44,6 +44,7 @@ from lit_instruct.rng import gather_states
 from lit_instruct.train.fit_report import FitReport
 from lit_instruct.train.fsdp import (
     average_replicated_gradients,
+    broadcast_whole,
     fill_from_rank_zero,
     gathered_trainable_state,
     shard_model,
@@ -430,7 +431,7 @@ class InstructLoRAModule(L.LightningModule):
             raise ConfigError(
                 "trainer.strategy",
                 "DDP with find_unused_parameters false cannot train model.lora.vision: the vision "
-                "adapters get no gradient on a rank whose batch has no image (set it true, or use ddp_lora)",
+                "adapters get no gradient on a rank whose batch has no image (set it true or unset)",
             )
 
     def configure_model(self) -> None:
@@ -456,6 +457,8 @@ class InstructLoRAModule(L.LightningModule):
         shard_model(self.base_model, sharding_mesh(mesh))
         if low_memory:
             fill_from_rank_zero(self.model, full, self.device)
+        else:  # the adapters FSDP leaves whole (a vision tower's): rank 0's on every rank, as DDP does
+            broadcast_whole(self.trainable_outside_decoder())
         self._sharded = True
         if self.reference_adapter is not None:  # again, from the shards (DTensors laid out as the
             self.reference_adapter = trainable_copy(self.model)  # parameters; a checkpoint loads after)
@@ -664,23 +667,19 @@ class InstructLoRAModule(L.LightningModule):
         """The optimizer over the adapter weights (LoRA+: B matrices in a group of their own at
         ``loraplus_lr_ratio`` times the learning rate), on the warmup-cosine schedule."""
         hparams, ratio = self.hparams, self.lora_config.loraplus_lr_ratio
-        groups = loraplus_groups(self.model) if ratio is not None else [{"params": self.adapter_parameters()}]
-        origins = list(range(len(groups)))
-        if self._sharded:  # weights FSDP leaves whole (a vision tower's) in groups of their own: an
-            split = [  # optimizer's foreach kernels take sharded or whole tensors, not both at once
-                (origin, {**group, "params": part})
-                for origin, group in enumerate(groups)
-                for part in placement_parts(group["params"])
-            ]
-            origins, groups = [origin for origin, _ in split], [group for _, group in split]
+        groups: list[dict[str, Any]] = (
+            loraplus_groups(self.model) if ratio is not None else [{"params": self.adapter_parameters()}]
+        )
+        if self._sharded:  # weights FSDP leaves whole (a vision tower's) beside sharded ones: an
+            for group in groups:  # optimizer's foreach kernels take one kind at a time
+                if len(placement_parts(group["params"])) > 1:
+                    group["foreach"] = False
         if self.optimizer_factory is not None:  # its own learning rate is the peak of the schedule
             optimizer = self.optimizer_factory(groups)
         else:
             optimizer = adamw(groups, hparams["learning_rate"], hparams["betas"], hparams["weight_decay"])
-        if ratio is not None:  # LoRA+: the B matrices' group(s)
-            for group, origin in zip(optimizer.param_groups, origins, strict=True):
-                if origin == 1:
-                    group["lr"] = optimizer.param_groups[0]["lr"] * ratio
+        if ratio is not None:
+            optimizer.param_groups[1]["lr"] = optimizer.param_groups[0]["lr"] * ratio
         total = max(1, int(self.trainer.estimated_stepping_batches))
         schedule = warmup_cosine(hparams["warmup_steps"], total, hparams["min_lr_ratio"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
