@@ -198,6 +198,7 @@ def test_answers_are_labelled_and_image_tokens_never(family, family_data, tokeni
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     samples = list(data.train_samples)
     assert [len(s.images) for s in samples] == [1, 0, 2, 1]
+    json.dumps(data.counts)  # plain numbers, as the cache's meta.json holds them (Pixtral's are tensors)
     for sample, answers in zip(samples, ANSWERS, strict=True):
         labelled = [label for label in sample.labels if label != IGNORE_INDEX]
         expected = [t for a in answers for t in [*tokenizer(a, add_special_tokens=False)["input_ids"], end]]
@@ -463,6 +464,27 @@ def test_generate_answers_about_an_image_as_the_model_does(
     ):
         with pytest.raises(ConfigError, match=message):
             generate_main([*argv, "--prompt", "Hi"])
+
+
+def test_vision_adapters_a_batch_with_images_never_reaches_are_named(
+    data_file: Path, smollm2_path: Path, tmp_path: Path
+) -> None:
+    """LLaVA reading its image features off the vision tower's next-to-last layer computes the last
+    layer for nothing: after the first batch with images, its adapters (and only they) are named."""
+    from tests.helpers import make, trainer
+
+    model = build_vision_family("llava", smollm2_path, tmp_path / "llava")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vision_feature_layer": -2}))
+    module, data = make(model, data_file, lora=LoRAConfig(r=4, alpha=8, vision="all"))
+    with pytest.warns(UserWarning, match="model.lora.vision: 6 adapted layer") as caught:
+        trainer(tmp_path / "run", max_steps=1, limit_val_batches=0).fit(module, datamodule=data)
+    (message,) = [str(w.message) for w in caught if "model.lora.vision" in str(w.message)]
+    last = "model.vision_tower.encoder.layers.1."  # its 6 linear layers, none of the first layer's
+    assert (
+        f"({last}mlp.fc1, {last}mlp.fc2, {last}self_attn.k_proj, {last}self_attn.out_proj and 2 more)"
+        in message
+    )
 
 
 def test_chat_shows_each_image_with_its_message_as_the_model_does(

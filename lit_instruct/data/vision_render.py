@@ -119,9 +119,9 @@ class VisionRenderer(ChatRenderer):
                 f"the processor placed {len(replaced)} of the {len(images)} images the chat template shows",
                 reason="image_not_placed",
             )
-        return Expansion(
-            list(out["input_ids"][0]),
-            [tuple(o) for o in out["offset_mapping"][0]],
+        return Expansion(  # as Python ints: some processors (Pixtral's) return tensors by default
+            [int(i) for i in out["input_ids"][0]],
+            [(int(start), int(end)) for start, end in out["offset_mapping"][0]],
             [tuple(r["span"]) for r in replaced],
             [tuple(r["new_span"]) for r in replaced],
         )

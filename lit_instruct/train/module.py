@@ -294,6 +294,8 @@ class InstructLoRAModule(L.LightningModule):
         self.saved_adapter: Path | None = None
         self.chat_template: str | None = None  # the data's, once a datamodule that renders is attached
         self._sharded = False
+        self._vision_use_pending = True  # until a batch with images has shown which adapters it reaches
+        self._images_in_batch = False
 
     # -- the model ------------------------------------------------------------------------------
 
@@ -601,9 +603,35 @@ class InstructLoRAModule(L.LightningModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         """The micro-batch's *summed* loss; :meth:`on_before_optimizer_step` divides the window's
         gradient by the objective's count over the whole window on all ranks."""
+        self._images_in_batch = batch.get("images") is not None
         sums = self.objective_sums(batch)
         self.window.add(sums.loss_sum, sums.count, num_tokens(batch), sums.answer_tokens, sums.metric_sums)
         return sums.loss_sum
+
+    def on_after_backward(self) -> None:
+        """After the first batch with images: warn of vision adapters it gave no gradient (layers the
+        model computes but whose output it never uses, as LLaVA's last vision layer with
+        ``vision_feature_layer: -2``), which would train nothing. The build's probe runs on text only,
+        so this is where they show."""
+        if not (self._vision_use_pending and self._images_in_batch):
+            return
+        self._vision_use_pending = False
+        parts = parts_outside_decoder(self.base_model)
+        unused = sorted(
+            {
+                name.rsplit(".lora_", 1)[0]
+                for part in parts
+                for name, p in self.base_model.get_submodule(part).named_parameters(prefix=part)
+                if p.requires_grad and p.grad is None
+            }
+        )
+        if unused:
+            shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+            rank_zero_warn(
+                f"model.lora.vision: {len(unused)} adapted layer(s) outside the language model got no "
+                f"gradient from a batch with images ({shown}): the model computes them but does not use "
+                "their output, so their adapters train nothing (lora.vision: projector leaves the tower out)"
+            )
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the step's gradient that of sum(loss) / count over the whole window, all ranks, before
