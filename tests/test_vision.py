@@ -327,6 +327,13 @@ def test_packing_refuses_samples_with_images(llava: Path, data_file: Path) -> No
     )
     with pytest.raises(ConfigError, match=r"data\.packing: true cannot pack samples with images"):
         data.setup("fit")
+    streamed = InstructDataModule(
+        tokenizer=str(llava), train_files=[str(data_file)], packing=True, streaming=True
+    )
+    with pytest.raises(
+        ConfigError, match=r"data\.packing: true with data\.streaming: true cannot be checked"
+    ):
+        streamed.setup("fit")  # a stream is read while training: refused for the model, whatever it holds
     samples = list(data_module(llava, data_file).train_samples)
     with pytest.raises(ValueError, match=r"train\.jsonl:1: a packed row cannot carry images"):
         PackCollator()(samples)

@@ -334,6 +334,13 @@ class InstructDataModule(L.LightningDataModule):
                 "true cannot pack samples with images (a vision-language model's attention and image "
                 "positions are not split per sample): set data.packing: false",
             )
+        if self.packing and self.streaming and self.processor is not None:
+            raise ConfigError(
+                "data.packing",
+                "true with data.streaming: true cannot be checked for images before training a "
+                "vision-language model (a stream is read while training; images cannot be packed): set "
+                "data.streaming: false, or data.packing: false",
+            )
         if self.streaming:
             rank_zero_info("lit-instruct data [train]: streamed (read and rendered while training)")
         elif stage in ("fit", None) and (nothing := self.nothing_to_train()) is not None:
