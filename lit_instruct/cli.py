@@ -709,7 +709,7 @@ def generate_main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     check_paths(args)
     images = open_images(args.image)
-    processor = image_processor(args, required=bool(images)) if images else None
+    processor = image_processor(args, required=True) if images else None
     model, tokenizer = load_for_generation(args.model, args.adapter)
     if processor is not None:
         processor.tokenizer = tokenizer

@@ -4,6 +4,7 @@ and one step's loss and LoRA gradients against the model's own ``forward(labels=
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -430,13 +431,35 @@ def test_fit_trains_and_the_adapter_loads_with_peft_on_the_multimodal_class(
     assert not torch.allclose(theirs, untrained, atol=1e-3)
 
 
+def models_own_answer(model: Path, max_new_tokens: int) -> Callable[[list[dict], list[Path]], str]:
+    """The reference for ``generate --image`` and ``chat``: the model's own greedy ``generate`` on its
+    processor's inputs for a conversation (image parts without their images) and its image files."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from lit_instruct.data.processor import image_processor_of
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    processor = image_processor_of(str(model), tokenizer)  # AutoProcessor's class, less its video part
+    net = AutoModelForImageTextToText.from_pretrained(model).eval()
+
+    def answer(messages: list[dict], images: list[Path]) -> str:
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pixels = [[Image.open(image).convert("RGB") for image in images]]
+        inputs = processor(text=[text], images=pixels, add_special_tokens=False, return_tensors="pt")
+        out = net.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id
+        )
+        return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    return answer
+
+
 def test_generate_answers_about_an_image_as_the_model_does(
     tmp_path: Path, smollm2_path: Path, capsys
 ) -> None:
     """``lit-instruct generate --image`` gives the tokens the model's own ``generate`` gives on the
     processor's inputs for the same conversation; a bad image or a text-only model is one line."""
-    from transformers import AutoModelForImageTextToText
-
     from lit_instruct.cli import generate_main
 
     model = build_vision_family("qwen2_vl", smollm2_path, tmp_path / "model")
@@ -445,21 +468,8 @@ def test_generate_answers_about_an_image_as_the_model_does(
         ["--model", str(model), "--image", str(image), "--prompt", "Colour?", "--max-new-tokens", "6"]
     )
     ours = capsys.readouterr().out.strip()
-
-    from PIL import Image
-    from transformers import AutoTokenizer
-
-    from lit_instruct.data.processor import image_processor_of
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    processor = image_processor_of(str(model), tokenizer)  # AutoProcessor's class, less its video part
-    net = AutoModelForImageTextToText.from_pretrained(model).eval()
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    pixels = [[Image.open(image).convert("RGB")]]
-    inputs = processor(text=[text], images=pixels, add_special_tokens=False, return_tensors="pt")
-    out = net.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-    theirs = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    asking = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    theirs = models_own_answer(model, max_new_tokens=6)(asking, [image]).strip()
     assert ours == theirs and ours
 
     for argv, message in (
@@ -504,11 +514,7 @@ def test_chat_shows_each_image_with_its_message_as_the_model_does(
     import shutil
     import sys
 
-    from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
-
     from lit_instruct.cli import chat_main
-    from lit_instruct.data.processor import image_processor_of
 
     images = data_file.parent / "images"
     typed = f"Colour?\n/image {images / 'none.png'}\n/image {images / 'blue.png'}\nAnd this?\n"
@@ -518,24 +524,15 @@ def test_chat_shows_each_image_with_its_message_as_the_model_does(
     assert f"(/image: image file '{images / 'none.png'}' does not exist)" in printed
     assert "(1 image will be shown with your next message)" in printed
 
-    tokenizer = AutoTokenizer.from_pretrained(llava)
-    processor = image_processor_of(str(llava), tokenizer)
-    net = AutoModelForImageTextToText.from_pretrained(llava).eval()
-
-    def answer(messages: list[dict], shown: list[str]) -> str:
-        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        pixels = [[Image.open(images / name).convert("RGB") for name in shown]]
-        inputs = processor(text=[text], images=pixels, add_special_tokens=False, return_tensors="pt")
-        out = net.generate(**inputs, max_new_tokens=5, do_sample=False, eos_token_id=tokenizer.eos_token_id)
-        return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    answer = models_own_answer(llava, max_new_tokens=5)
 
     def asking(text: str) -> dict:
         return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
 
-    first = answer([asking("Colour?")], ["red.png"])
+    first = answer([asking("Colour?")], [images / "red.png"])
     second = answer(
         [asking("Colour?"), {"role": "assistant", "content": first}, asking("And this?")],
-        ["red.png", "blue.png"],
+        [images / "red.png", images / "blue.png"],
     )
     assert f"> {first}\n" in printed and f"> {second}\n" in printed and first and second
 

@@ -126,13 +126,10 @@ def image_processor_of(model: str, tokenizer: Any) -> Any:
 
     from lit_instruct.model_names import resolve_model_path
 
-    location = resolve_model_path(model)
-    found: Path | None = Path(location)
-    if found is not None and not found.is_dir():  # a hub id: its processor files, through the hub's cache
-        found = hub_folder(location)
-    if found is None or not has_image_processor(found):
+    location = resolve_model_path(model)  # a folder, or a hub id: its processor files through the hub's cache
+    folder = Path(location) if Path(location).is_dir() else hub_folder(location)
+    if folder is None or not has_image_processor(folder):
         return None
-    folder = found
     try:
         processor = AutoProcessor.from_pretrained(folder)
     except (AttributeError, ImportError, OSError, ValueError) as error:

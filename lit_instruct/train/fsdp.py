@@ -9,10 +9,10 @@ dtype (``bnb_4bit_quant_storage``, which :func:`lit_instruct.models.load.load_ba
 
 A vision-language model's multimodal core (which the trunk calls for every batch, and which embeds
 the text before its decoder runs) takes the decoder stack's place, but its vision tower and
-projector are not sharded: the core calls them only for
-batches with images, and a sharded part must be called on every rank at once (its weights are
-gathered by a collective). Each rank keeps them whole, as DDP does, and their trainable weights'
-gradients are averaged over ranks before the optimizer step (:func:`average_replicated_gradients`).
+projector are not sharded: the core calls them only for batches with images, and a sharded part
+must be called on every rank at once (its weights are gathered by a collective). Each rank keeps
+them whole, as DDP does, and their trainable weights' gradients are averaged over ranks before the
+optimizer step (:func:`average_replicated_gradients`).
 
 The lm_head is not part of the trunk's forward: the fused loss reads its weight directly. Read through
 :func:`full_tensor`, a sharded weight is gathered for the loss only (its shard stays the stored copy);
@@ -48,9 +48,9 @@ def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> Non
     """``fully_shard`` each decoder layer of ``base``, then its decoder stack (then a vision-language
     model's multimodal core, its vision tower and projector left whole), then its lm_head.
 
-        In training the lm_head's forward never runs (the loss reads its weight, whole through
-        :func:`full_tensor`); sampling runs it (its own group gathers it; a head tied to the input
-        embeddings, tied again to the embedding's shard, is gathered by :func:`whole_tied_head`).
+    In training the lm_head's forward never runs (the loss reads its weight, whole through
+    :func:`full_tensor`); sampling runs it (its own group gathers it; a head tied to the input
+    embeddings, tied again to the embedding's shard, is gathered by :func:`whole_tied_head`).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -62,8 +62,9 @@ def shard_model(base: Any, mesh: Any, reshard_after_forward: bool = True) -> Non
     outside = [base.get_submodule(name) for name in parts_outside_decoder(base)]
     if outside:  # the multimodal core (the trunk's call; it embeds the text before the decoder runs)
         kept = {p for part in outside for p in part.parameters()}  # left whole on every rank
-        core, reshard = base.base_model, reshard_after_forward
-        fully_shard(core, mesh=mesh, reshard_after_forward=reshard, ignored_params=kept)
+        fully_shard(
+            base.base_model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept
+        )
     else:
         fully_shard(decoder, mesh=mesh, reshard_after_forward=reshard_after_forward)
     if tied:

@@ -409,12 +409,15 @@ class InstructLoRAModule(L.LightningModule):
         """Whether the base is a vision-language model (parts outside its decoder)."""
         return bool(parts_outside_decoder(self.base_model))
 
-    def trainable_outside_decoder(self) -> list[nn.Parameter]:
+    def trainable_outside_decoder(self) -> dict[str, nn.Parameter]:
         """Trainable weights of a vision-language model's vision tower and projector
-        (``model.lora.vision``), which only batches with images reach."""
-        parts = parts_outside_decoder(self.base_model)
-        modules = [self.base_model.get_submodule(name) for name in parts]
-        return [p for module in modules for p in module.parameters() if p.requires_grad]
+        (``model.lora.vision``), which only batches with images reach, by name in the base."""
+        return {
+            name: p
+            for part in parts_outside_decoder(self.base_model)
+            for name, p in self.base_model.get_submodule(part).named_parameters(prefix=part)
+            if p.requires_grad
+        }
 
     def _find_unused_under_ddp(self) -> None:
         """Under DDP, weights only batches with images reach are unused on a rank whose batch has
@@ -460,7 +463,7 @@ class InstructLoRAModule(L.LightningModule):
         if low_memory:
             fill_from_rank_zero(self.model, full, self.device)
         else:  # the adapters FSDP leaves whole (a vision tower's): rank 0's on every rank, as DDP does
-            broadcast_whole(self.trainable_outside_decoder())
+            broadcast_whole(list(self.trainable_outside_decoder().values()))
         self._sharded = True
         if self.reference_adapter is not None:  # again, from the shards (DTensors laid out as the
             self.reference_adapter = trainable_copy(self.model)  # parameters; a checkpoint loads after)
@@ -616,15 +619,8 @@ class InstructLoRAModule(L.LightningModule):
         if not (self._vision_use_pending and self._images_in_batch):
             return
         self._vision_use_pending = False
-        parts = parts_outside_decoder(self.base_model)
-        unused = sorted(
-            {
-                name.rsplit(".lora_", 1)[0]
-                for part in parts
-                for name, p in self.base_model.get_submodule(part).named_parameters(prefix=part)
-                if p.requires_grad and p.grad is None
-            }
-        )
+        trained = self.trainable_outside_decoder().items()
+        unused = sorted({name.rsplit(".lora_", 1)[0] for name, p in trained if p.grad is None})
         if unused:
             shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
             rank_zero_warn(
